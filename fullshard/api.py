@@ -1,0 +1,266 @@
+"""The public entry point: ``fully_shard`` and the ``FSDPModule`` methods (FSDP2-compatible)."""
+from __future__ import annotations
+
+import contextlib
+import weakref
+from typing import Any, Callable, Iterator, Optional, Union
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import Shard
+
+from fullshard.plan import ShardLayout
+from fullshard.policies import MixedPrecisionPolicy, OffloadPolicy, as_mp_policy, as_offload_policy
+from fullshard.runtime.group import ParamGroup
+from fullshard.runtime.param import ShardedParam
+from fullshard.runtime.state import ShardState
+
+# Original parameters already taken over by some fully_shard call: a parameter
+# shared with a module outside that call would otherwise be sharded twice and
+# silently untied.
+_MANAGED: "weakref.WeakSet[nn.Parameter]" = weakref.WeakSet()
+_FSDP_CLASSES: dict[type, type] = {}
+
+
+class UnshardHandle:
+    """Returned by ``unshard(async_op=True)``: ``wait()`` completes the all-gather."""
+
+    def __init__(self, state: Optional[ShardState]) -> None:
+        self._state = state
+
+    def wait(self) -> None:
+        if self._state is not None and self._state.group is not None:
+            self._state.group.wait_for_unshard()
+            self._state.group.register_unsharded()
+        self._state = None
+
+
+class FSDPModule:
+    """Mixin added to every module ``fully_shard`` was applied to (a dynamic subclass)."""
+
+    def _fullshard_states(self, recurse: bool) -> list[ShardState]:
+        modules = self.modules() if recurse else [self]
+        seen, states = set(), []
+        for module in modules:
+            state = getattr(module, "_fullshard_state", None)
+            if state is not None and id(state) not in seen:
+                seen.add(id(state))
+                states.append(state)
+        return states
+
+    def unshard(self, async_op: bool = False) -> Optional[UnshardHandle]:
+        """All-gather this module's parameters now (e.g. to prefetch); they stay until ``reshard()``."""
+        state = self._fullshard_state
+        if state.group is not None:
+            state.group.unshard()
+        handle = UnshardHandle(state)
+        if async_op:
+            return handle
+        handle.wait()
+        return None
+
+    def reshard(self) -> None:
+        """Free the unsharded parameters and show the sharded ones again."""
+        state = self._fullshard_state
+        if state.group is not None:
+            state.group.reshard()
+            state.group.register_sharded()
+
+    def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
+        """False: keep accumulating unsharded gradients locally, no communication (FSDP1's ``no_sync``)."""
+        for state in self._fullshard_states(recurse):
+            if state.group is not None:
+                state.group.reduce_grads = requires_gradient_sync
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Context manager form of ``set_requires_gradient_sync(False)``."""
+        self.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            self.set_requires_gradient_sync(True)
+
+    def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
+        """HSDP only: whether to all-reduce across replicas. A 1-D mesh has no replica all-reduce."""
+        for state in self._fullshard_states(recurse):
+            state.requires_all_reduce = requires_all_reduce
+
+    def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True) -> None:
+        if not isinstance(reshard_after_forward, bool):
+            raise ValueError(f"reshard_after_forward must be a bool, got {type(reshard_after_forward).__name__}")
+        for state in self._fullshard_states(recurse):
+            state.reshard_after_forward = reshard_after_forward
+
+    def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
+        for state in self._fullshard_states(recurse):
+            if state.group is not None:
+                state.group.reshard_after_backward = reshard_after_backward
+
+    def set_is_last_backward(self, is_last_backward: bool) -> None:
+        """Accepted for FSDP2 compatibility: every backward already waits for its reductions."""
+        self._fullshard_state.is_last_backward = is_last_backward
+
+    def set_modules_to_forward_prefetch(self, modules: list["FSDPModule"]) -> None:
+        """Start these modules' all-gathers right after this module's, in forward."""
+        self._fullshard_state.forward_prefetch = [_state_of(m, "set_modules_to_forward_prefetch") for m in modules]
+
+    def set_modules_to_backward_prefetch(self, modules: list["FSDPModule"]) -> None:
+        """Start these modules' all-gathers right after this module's, in backward."""
+        self._fullshard_state.backward_prefetch = [_state_of(m, "set_modules_to_backward_prefetch") for m in modules]
+
+    def set_gradient_divide_factor(self, factor: float) -> None:
+        """Divide reduced gradients by ``factor`` instead of the world size (1.0 gives a sum)."""
+        if not factor > 0:
+            raise ValueError(f"gradient divide factor must be > 0, got {factor}")
+        for state in self._fullshard_states(recurse=True):
+            if state.group is not None:
+                state.group.divide_factor = float(factor)
+
+
+def _state_of(module: Any, caller: str) -> ShardState:
+    state = getattr(module, "_fullshard_state", None)
+    if state is None:
+        raise ValueError(f"{caller}: {type(module).__name__} is not an FSDPModule; apply fully_shard to it first")
+    return state
+
+
+def _default_mesh() -> DeviceMesh:
+    if not dist.is_initialized():
+        raise RuntimeError(
+            "fully_shard: no mesh given and torch.distributed is not initialized; call "
+            "torch.distributed.init_process_group (e.g. under torchrun) or pass mesh=init_device_mesh(...)"
+        )
+    device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
+    return init_device_mesh(device_type, (dist.get_world_size(),))
+
+
+def _mesh_device(mesh: DeviceMesh) -> torch.device:
+    if mesh.device_type == "cpu":
+        return torch.device("cpu")
+    module = getattr(torch, mesh.device_type)
+    return torch.device(mesh.device_type, module.current_device())
+
+
+def _owners_of_params(
+    modules: list[nn.Module], ignored: set[int]
+) -> tuple[dict[int, list[tuple[nn.Module, str, str]]], dict[int, nn.Parameter]]:
+    """Every (module, attribute name, fqn) holding each managed parameter, skipping nested FSDP units."""
+    owners: dict[int, list[tuple[nn.Module, str, str]]] = {}
+    params: dict[int, nn.Parameter] = {}
+
+    def visit(module: nn.Module, prefix: str, is_top: bool) -> None:
+        if not is_top and hasattr(module, "_fullshard_state"):
+            return
+        for name, param in module._parameters.items():
+            if param is None or id(param) in ignored:
+                continue
+            params[id(param)] = param
+            owners.setdefault(id(param), []).append((module, name, prefix + name))
+        for child_name, child in module._modules.items():
+            if child is not None:
+                visit(child, f"{prefix}{child_name}.", False)
+
+    for index, module in enumerate(modules):
+        visit(module, f"[{index}]." if len(modules) > 1 else "", True)
+    return {key: owners[key] for key in params}, params
+
+
+def fully_shard(
+    module: Union[nn.Module, list[nn.Module]],
+    *,
+    mesh: Optional[DeviceMesh] = None,
+    reshard_after_forward: Optional[bool] = None,
+    shard_placement_fn: Optional[Callable[[nn.Parameter], Optional[Shard]]] = None,
+    mp_policy: Any = MixedPrecisionPolicy(),
+    offload_policy: Any = OffloadPolicy(),
+    ignored_params: Optional[set[nn.Parameter]] = None,
+) -> Union[nn.Module, list[nn.Module]]:
+    """Shard ``module``'s parameters across ``mesh`` (ZeRO-3), FSDP2-compatible.
+
+    Parameters become ``DTensor`` shards (``Shard(0)``, or what
+    ``shard_placement_fn`` returns, any dim, even or not). Around each forward
+    they are all-gathered in ``mp_policy.param_dtype``; after backward their
+    gradients are reduce-scattered in ``mp_policy.reduce_dtype`` and averaged.
+    A list of modules forms one communication group. Returns ``module``.
+    """
+    modules = list(module) if isinstance(module, (list, tuple)) else [module]
+    name = ", ".join(type(m).__name__ for m in modules)
+    for m in modules:
+        if not isinstance(m, nn.Module):
+            raise TypeError(f"fully_shard expects nn.Module(s), got {type(m).__name__}")
+        if hasattr(m, "_fullshard_state"):
+            raise ValueError(
+                f"fully_shard was already applied to {type(m).__name__}; apply it once per module "
+                "(children first, then parents)"
+            )
+    mp = as_mp_policy(mp_policy, name)
+    offload = as_offload_policy(offload_policy, name)
+    if reshard_after_forward is not None and not isinstance(reshard_after_forward, bool):
+        raise ValueError(
+            f"fully_shard({name}): reshard_after_forward={reshard_after_forward!r} is not supported; "
+            "use True, False or None"
+        )
+    mesh = mesh if mesh is not None else _default_mesh()
+    if mesh.ndim != 1:
+        raise ValueError(
+            f"fully_shard({name}): mesh must be 1-D (shard), got {mesh.ndim}-D with dims {mesh.mesh_dim_names}"
+        )
+    device = _mesh_device(mesh)
+    if type(offload) is not OffloadPolicy and device.type != "cpu":
+        raise NotImplementedError(f"fully_shard({name}): CPU offload to a {device.type} mesh is not implemented yet")
+    rank, world = mesh.get_local_rank(), mesh.size()
+
+    ignored = {id(p) for p in (ignored_params or ())}
+    owners, params = _owners_of_params(modules, ignored)
+    plans = []
+    for key, param in params.items():
+        fqn = owners[key][0][2]
+        if param in _MANAGED:
+            raise ValueError(
+                f"fully_shard({name}): parameter '{fqn}' is shared with a module that fully_shard was "
+                "already applied to; tied parameters must belong to one unit: apply fully_shard to "
+                "their common parent only"
+            )
+        placement = shard_placement_fn(param) if shard_placement_fn is not None else None
+        if placement is None:
+            placement = Shard(0)
+        if not isinstance(placement, Shard):
+            raise ValueError(
+                f"fully_shard({name}): shard_placement_fn returned {placement!r} for '{fqn}'; "
+                "it must return Shard(dim) or None"
+            )
+        if param.dim() == 0:
+            raise ValueError(
+                f"fully_shard({name}): parameter '{fqn}' is a scalar and cannot be sharded; "
+                "pass it in ignored_params or give it shape (1,)"
+            )
+        dim = placement.dim + param.dim() if placement.dim < 0 else placement.dim
+        if not 0 <= dim < param.dim():
+            raise ValueError(
+                f"fully_shard({name}): shard_placement_fn returned Shard({placement.dim}) for '{fqn}' of "
+                f"shape {tuple(param.shape)}; the dim must be in [-{param.dim()}, {param.dim() - 1}]"
+            )
+        plans.append((param, fqn, ShardLayout(tuple(param.shape), dim, world)))
+
+    # Everything is validated: from here on the modules are changed.
+    for m in modules:
+        for buffer_name, buffer in m.named_buffers():
+            if buffer.device != device and buffer.device.type != "meta":
+                m.get_submodule(buffer_name.rpartition(".")[0])._buffers[buffer_name.rpartition(".")[2]] = buffer.to(device)
+    sharded = []
+    for param, fqn, layout in plans:
+        holders = [(owner, attr) for owner, attr, _ in owners[id(param)]]
+        sharded.append(ShardedParam(param, holders, fqn, layout, mesh, rank, device, mp.param_dtype))
+        _MANAGED.add(param)
+    group = ParamGroup(sharded, mesh.get_group(), mp.reduce_dtype, name) if sharded else None
+    state = ShardState(modules, group, mp, reshard_after_forward)
+    for m in modules:
+        m._fullshard_state = state
+        cls = type(m)
+        if cls not in _FSDP_CLASSES:
+            _FSDP_CLASSES[cls] = type(f"FSDP{cls.__name__}", (FSDPModule, cls), {})
+        m.__class__ = _FSDP_CLASSES[cls]
+    return module

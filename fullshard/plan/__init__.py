@@ -1,0 +1,27 @@
+"""Framework-free planning: layouts, buckets and buffer ownership (no torch import)."""
+from fullshard.plan.layout import BucketLayout, ShardLayout, ceil_div, plan_buckets
+from fullshard.plan.ownership import (
+    GatherPlan,
+    Ownership,
+    ReducePlan,
+    ShardedGrad,
+    Unsharded,
+    plan_gather,
+    plan_reduce,
+    stores_padded_chunk,
+)
+
+__all__ = [
+    "BucketLayout",
+    "GatherPlan",
+    "Ownership",
+    "ReducePlan",
+    "ShardLayout",
+    "ShardedGrad",
+    "Unsharded",
+    "ceil_div",
+    "plan_buckets",
+    "plan_gather",
+    "plan_reduce",
+    "stores_padded_chunk",
+]

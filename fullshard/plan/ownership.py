@@ -1,0 +1,134 @@
+"""Who owns each communication buffer, decided from the code path alone.
+
+The seed of this project was a real FSDP that freed a gradient it did not own:
+a same-dtype "cast" returned the caller's storage and the module later resized
+it to 0. Here the decision "owned or borrowed" is made once, by these pure
+functions, from facts about the path (is a cast needed? padding? several
+parameters in one buffer?), never by comparing pointers at run time.
+
+Rules the runtime follows (``fullshard.buffers`` enforces them in debug mode):
+
+* OWNED storage was allocated by fullshard (``empty``, a cast to another dtype,
+  a concatenation, padding). Only owned storage may be resized or written in place.
+* BORROWED storage belongs to someone else (the caller's gradient, the sharded
+  parameter's own storage). It is released only by dropping the reference.
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+from fullshard.plan.layout import BucketLayout, ShardLayout
+
+
+class Ownership(enum.Enum):
+    OWNED = "owned"
+    BORROWED = "borrowed"
+
+
+class Unsharded(enum.Enum):
+    """Where an unsharded parameter's storage comes from after an all-gather."""
+
+    VIEW_OF_OUTPUT = "view of the all-gather output (no copy)"
+    OWN_STORAGE = "own storage, filled by a copy out of the all-gather output"
+
+
+class ShardedGrad(enum.Enum):
+    """How a reduced gradient becomes the sharded parameter's ``.grad``."""
+
+    VIEW_OF_OUTPUT = "view of the reduce-scatter output (no copy)"
+    COPY = "copy (cast or re-layout) of the reduce-scatter output"
+
+
+@dataclass(frozen=True)
+class GatherPlan:
+    input: Ownership
+    output: Ownership
+    unsharded: Unsharded
+
+    @property
+    def copies_in(self) -> bool:
+        return self.input is Ownership.OWNED
+
+    @property
+    def copies_out(self) -> bool:
+        return self.unsharded is Unsharded.OWN_STORAGE
+
+
+@dataclass(frozen=True)
+class ReducePlan:
+    input: Ownership
+    output: Ownership
+    sharded_grad: ShardedGrad
+
+    @property
+    def copies_in(self) -> bool:
+        return self.input is Ownership.OWNED
+
+
+def stores_padded_chunk(layout: ShardLayout) -> bool:
+    """Whether the sharded parameter's storage is its whole padded chunk.
+
+    For prefix layouts the local shard is a prefix of a padded-chunk storage,
+    so the collective can read that storage directly. For other layouts with
+    padding the local shard is kept contiguous (what optimizers and
+    checkpoints expect), and the padded chunk must be built by a copy.
+    """
+    return layout.gather_is_prefix or not layout.needs_padding
+
+
+def plan_gather(bucket: BucketLayout, layouts: tuple[ShardLayout, ...], cast_needed: bool) -> GatherPlan:
+    """All-gather of one bucket.
+
+    The input is borrowed (the parameter's own padded storage, read-only)
+    when one parameter travels alone in its stored dtype; any cast or fusion
+    allocates. The output is always allocated by fullshard. A lone parameter
+    with a prefix layout is used as a view of that output; everything else is
+    copied out of it into storage of its own.
+    """
+    lone = bucket.is_single
+    layout = layouts[bucket.members[0]]
+    borrow_input = lone and not cast_needed and stores_padded_chunk(layout)
+    view_output = lone and layout.gather_is_prefix
+    return GatherPlan(
+        input=Ownership.BORROWED if borrow_input else Ownership.OWNED,
+        output=Ownership.OWNED,
+        unsharded=Unsharded.VIEW_OF_OUTPUT if view_output else Unsharded.OWN_STORAGE,
+    )
+
+
+def plan_reduce(
+    bucket: BucketLayout,
+    layouts: tuple[ShardLayout, ...],
+    grad_dtype_is_reduce_dtype: bool,
+    grads_contiguous: bool,
+    reduce_dtype_is_param_dtype: bool,
+) -> ReducePlan:
+    """Reduce-scatter of one bucket.
+
+    The caller's gradient is reused as the collective's input (zero copy) only
+    when it already is, byte for byte, the input the collective needs: one
+    parameter, prefix layout, no padding, the reduce dtype, contiguous. In that
+    case it is BORROWED: fullshard never resizes it nor writes into it, and
+    releases it by dropping the reference. Otherwise fullshard allocates the
+    input and copies (casting, padding) into it.
+
+    The output is allocated by fullshard; the gradient division is done in
+    place on it (it is owned), then it is handed to the sharded ``.grad`` and
+    never freed by fullshard again.
+    """
+    lone = bucket.is_single
+    layout = layouts[bucket.members[0]]
+    borrow = (
+        lone
+        and layout.gather_is_prefix
+        and not layout.needs_padding
+        and grad_dtype_is_reduce_dtype
+        and grads_contiguous
+    )
+    view_grad = reduce_dtype_is_param_dtype and all(layouts[i].gather_is_prefix for i in bucket.members)
+    return ReducePlan(
+        input=Ownership.BORROWED if borrow else Ownership.OWNED,
+        output=Ownership.OWNED,
+        sharded_grad=ShardedGrad.VIEW_OF_OUTPUT if view_grad else ShardedGrad.COPY,
+    )

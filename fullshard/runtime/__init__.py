@@ -1,0 +1,1 @@
+"""The PyTorch runtime: per-parameter state, communication groups, collectives and hooks."""

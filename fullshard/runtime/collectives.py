@@ -1,0 +1,164 @@
+"""All-gather and reduce-scatter of one bucket, carrying out the ownership plan.
+
+Each function issues its collective asynchronously and returns a pending
+object whose ``finish()`` waits and completes the work (copy-out, gradient
+installation, releasing transient buffers). No layout arithmetic lives here:
+offsets and lengths come from ``fullshard.plan``.
+"""
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from fullshard import buffers
+from fullshard.buffers import Borrowed, Owned
+from fullshard.plan import BucketLayout, GatherPlan, Ownership, ReducePlan, ShardedGrad, Unsharded
+from fullshard.runtime.param import ShardedParam
+
+
+def _rank_chunks(flat: torch.Tensor, bucket: BucketLayout, index: int, param: ShardedParam) -> list[torch.Tensor]:
+    """The padded chunk of member ``index`` in every rank's part of a rank-major buffer."""
+    start = bucket.offsets[index]
+    per_rank = flat.view(bucket.world, bucket.chunk_numel)
+    shape = param.layout.padded_chunk_shape
+    return [per_rank[r, start : start + param.layout.padded_chunk_numel].view(shape) for r in range(bucket.world)]
+
+
+class PendingGather:
+    def __init__(self, work, transient: list, copy_out: Optional[Owned], bucket, params) -> None:
+        self.work = work
+        self.transient = transient
+        self.copy_out = copy_out
+        self.bucket = bucket
+        self.params = params
+
+    def finish(self) -> None:
+        self.work.wait()
+        if self.copy_out is not None:
+            out = self.copy_out.tensor
+            with torch.no_grad():
+                for index, param in enumerate(self.params):
+                    layout = param.layout
+                    target = param.unsharded_storage.writable("copy out of the all-gather")
+                    with torch.autograd._unsafe_preserve_version_counter(target):
+                        for rank, chunk in enumerate(_rank_chunks(out, self.bucket, index, param)):
+                            length = layout.local_length(rank)
+                            target.narrow(layout.dim, layout.local_offset(rank), length).copy_(
+                                chunk.narrow(layout.dim, 0, length)
+                            )
+            self.transient.append(self.copy_out)
+        buffers.release_all(self.transient)
+
+
+def gather_bucket(
+    bucket: BucketLayout,
+    plan: GatherPlan,
+    params: Sequence[ShardedParam],
+    output: Owned,
+    group: dist.ProcessGroup,
+    label: str,
+) -> PendingGather:
+    """Start the all-gather of one bucket into ``output`` (owned, already sized)."""
+    dtype = params[0].compute_dtype
+    with torch.no_grad():
+        if plan.input is Ownership.BORROWED:
+            source: Owned | Borrowed = buffers.borrow(params[0].padded_chunk.view(-1), f"sharded storage of {label}")
+        else:
+            source = buffers.allocate(bucket.chunk_numel, dtype, output.tensor.device, f"all-gather input of {label}")
+            flat = source.writable("pack the all-gather input")
+            for index, param in enumerate(params):
+                start = bucket.offsets[index]
+                region = flat[start : start + param.layout.padded_chunk_numel].view(param.layout.padded_chunk_shape)
+                if param.padded_chunk is not None:
+                    region.copy_(param.padded_chunk)
+                else:
+                    local = param.local_shard()
+                    length = local.shape[param.layout.dim]
+                    region.narrow(param.layout.dim, 0, length).copy_(local)
+                    region.narrow(param.layout.dim, length, param.layout.chunk - length).zero_()
+        out = output.writable("all-gather into")
+        with torch.autograd._unsafe_preserve_version_counter(out):
+            work = dist.all_gather_into_tensor(out, source.tensor, group=group, async_op=True)
+    copy_out = output if plan.unsharded is Unsharded.OWN_STORAGE else None
+    return PendingGather(work, [source], copy_out, bucket, list(params))
+
+
+class PendingReduce:
+    def __init__(self, work, transient: list, output: Owned, bucket, plan, params, grads_present, divide_factor) -> None:
+        self.work = work
+        self.transient = transient
+        self.output = output
+        self.bucket = bucket
+        self.plan = plan
+        self.params = params
+        self.grads_present = grads_present
+        self.divide_factor = divide_factor
+
+    def finish(self) -> None:
+        self.work.wait()
+        buffers.release_all(self.transient)
+        with torch.no_grad():
+            out = self.output.writable("divide the reduced gradient")
+            if self.divide_factor != 1:
+                out.div_(self.divide_factor)
+            for index, param in enumerate(self.params):
+                if not self.grads_present[index]:
+                    continue  # no rank-local gradient: leave .grad as the reference would (None)
+                layout = param.layout
+                start = self.bucket.offsets[index]
+                if self.plan.sharded_grad is ShardedGrad.VIEW_OF_OUTPUT:
+                    local = out[start : start + layout.local_numel(param.rank)].view(layout.local_shape(param.rank))
+                else:
+                    chunk = out[start : start + layout.padded_chunk_numel].view(layout.padded_chunk_shape)
+                    local = chunk.narrow(layout.dim, 0, layout.local_length(param.rank)).to(
+                        param.stored_dtype, memory_format=torch.contiguous_format, copy=True
+                    )
+                param.to_sharded_grad(local)
+        if self.plan.sharded_grad is ShardedGrad.VIEW_OF_OUTPUT:
+            self.output.hand_off()  # the sharded grads are views of it now; never freed by fullshard
+        else:
+            self.output.reclaim()
+        self.output = None
+
+
+def reduce_bucket(
+    bucket: BucketLayout,
+    plan: ReducePlan,
+    params: Sequence[ShardedParam],
+    grads: Sequence[Optional[torch.Tensor]],
+    reduce_dtype: torch.dtype,
+    group: dist.ProcessGroup,
+    divide_factor: float,
+    label: str,
+) -> PendingReduce:
+    """Start the reduce-scatter (sum) of one bucket's unsharded gradients.
+
+    ``grads`` were taken from autograd; on the BORROWED path the lone gradient
+    itself is the collective's input and is only ever dropped, never freed or
+    written; otherwise an owned input is packed (cast, padded, fused).
+    """
+    device = params[0].device
+    with torch.no_grad():
+        if plan.input is Ownership.BORROWED:
+            source: Owned | Borrowed = buffers.borrow(grads[0].view(-1), f"gradient of {label}")
+        else:
+            needs_zero = any(g is None for g in grads) or any(p.layout.needs_padding for p in params)
+            source = buffers.allocate(
+                bucket.total_numel, reduce_dtype, device, f"reduce-scatter input of {label}", zero=needs_zero
+            )
+            flat = source.writable("pack the reduce-scatter input")
+            for index, (param, grad) in enumerate(zip(params, grads)):
+                if grad is None:
+                    continue
+                layout = param.layout
+                for rank, chunk in enumerate(_rank_chunks(flat, bucket, index, param)):
+                    length = layout.local_length(rank)
+                    chunk.narrow(layout.dim, 0, length).copy_(grad.narrow(layout.dim, layout.local_offset(rank), length))
+        output = buffers.allocate(bucket.chunk_numel, reduce_dtype, device, f"reduce-scatter output of {label}")
+        work = dist.reduce_scatter_tensor(
+            output.writable("reduce-scatter into"), source.tensor, op=dist.ReduceOp.SUM, group=group, async_op=True
+        )
+    present = [g is not None for g in grads]
+    return PendingReduce(work, [source], output, bucket, plan, list(params), present, divide_factor)

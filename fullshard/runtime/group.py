@@ -1,0 +1,199 @@
+"""One communication group: the parameters of one ``fully_shard`` call.
+
+The group moves between two states, SHARDED and UNSHARDED (with a pending
+all-gather in between), and turns the unsharded gradients into sharded ones
+after backward. Which buffers are owned comes from ``fullshard.plan``.
+"""
+from __future__ import annotations
+
+import enum
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from fullshard import buffers
+from fullshard.buffers import Owned
+from fullshard.plan import Unsharded, plan_buckets, plan_gather, plan_reduce
+from fullshard.runtime.collectives import PendingGather, PendingReduce, gather_bucket, reduce_bucket
+from fullshard.runtime.param import ShardedParam
+
+# Parameters whose per-rank chunk has fewer elements than this share one
+# collective (fusion); larger ones are gathered straight into their own storage.
+DEFAULT_FUSE_BELOW_NUMEL = 1 << 16
+
+
+class GroupState(enum.Enum):
+    SHARDED = "sharded"
+    UNSHARDING = "unsharding"  # all-gathers issued, not yet waited on
+    UNSHARDED = "unsharded"
+
+
+class ParamGroup:
+    def __init__(
+        self,
+        params: list[ShardedParam],
+        process_group: dist.ProcessGroup,
+        reduce_dtype: Optional[torch.dtype],
+        module_name: str,
+        fuse_below_numel: int = DEFAULT_FUSE_BELOW_NUMEL,
+    ) -> None:
+        self.params = params
+        self.process_group = process_group
+        self.world = dist.get_world_size(process_group)
+        self.module_name = module_name
+        self._reduce_dtype = reduce_dtype
+        layouts = tuple(p.layout for p in params)
+        # Only parameters of the same dtypes and trainability share a buffer.
+        kinds = tuple((p.stored_dtype, p.compute_dtype, p.requires_grad) for p in params)
+        self.buckets = plan_buckets(layouts, fuse_below_numel, kinds)
+        self.gather_plans = [
+            plan_gather(b, layouts, cast_needed=params[b.members[0]].compute_dtype != params[b.members[0]].stored_dtype)
+            for b in self.buckets
+        ]
+        self.labels = [self._label(b.members) for b in self.buckets]
+        # Outputs of lone all-gathers: the unsharded parameter is a view of them,
+        # so they live as long as the group and are reclaimed on reshard.
+        self._view_outputs: list[Optional[Owned]] = [None] * len(self.buckets)
+        self.state = GroupState.SHARDED
+        self._pending_gathers: list[PendingGather] = []
+        self.reduce_grads = True
+        self.reshard_after_backward = True
+        self.divide_factor: Optional[float] = None
+        self._grads_ready: set[int] = set()
+        self.backward_done = False
+        self._hooks: list = []
+
+    def _label(self, members: tuple[int, ...]) -> str:
+        names = ", ".join(self.params[i].fqn for i in members[:3])
+        more = f" and {len(members) - 3} more" if len(members) > 3 else ""
+        return f"[{names}{more}] of module '{self.module_name}'"
+
+    @property
+    def trainable(self) -> list[ShardedParam]:
+        return [p for p in self.params if p.requires_grad]
+
+    def reduce_dtype(self, param: ShardedParam) -> torch.dtype:
+        return self._reduce_dtype or param.compute_dtype
+
+    # ------------------------------------------------------------------ unshard / reshard
+    def unshard(self) -> None:
+        """Issue the all-gathers (asynchronously); :meth:`wait_for_unshard` completes them."""
+        if self.state is not GroupState.SHARDED:
+            return
+        device = self.params[0].device
+        for index, (bucket, plan) in enumerate(zip(self.buckets, self.gather_plans)):
+            members = [self.params[i] for i in bucket.members]
+            output = self._gather_output(index, device, members)
+            self._pending_gathers.append(
+                gather_bucket(bucket, plan, members, output, self.process_group, self.labels[index])
+            )
+        self.state = GroupState.UNSHARDING
+
+    def _gather_output(self, index: int, device: torch.device, members: list[ShardedParam]) -> Owned:
+        bucket, plan = self.buckets[index], self.gather_plans[index]
+        dtype = members[0].compute_dtype
+        if plan.unsharded is Unsharded.VIEW_OF_OUTPUT:
+            output = self._view_outputs[index]
+            if output is None:
+                output = buffers.allocate(bucket.total_numel, dtype, device, f"unsharded {self.labels[index]}")
+                self._view_outputs[index] = output
+                param = members[0]
+                data = output.tensor[: param.layout.numel].view(param.layout.shape)
+                self._make_unsharded(param, data)
+            else:
+                output.regrow()
+            return output
+        for param in members:
+            if param.unsharded_storage is None:
+                param.unsharded_storage = buffers.allocate(
+                    param.layout.shape, dtype, device, f"unsharded parameter '{param.fqn}' of module '{self.module_name}'"
+                )
+                self._make_unsharded(param, param.unsharded_storage.tensor)
+            else:
+                param.unsharded_storage.regrow()
+        return buffers.allocate(bucket.total_numel, dtype, device, f"all-gather output of {self.labels[index]}")
+
+    def _make_unsharded(self, param: ShardedParam, data: torch.Tensor) -> None:
+        param.unsharded = nn.Parameter(data, requires_grad=param.requires_grad)
+        if param.requires_grad:
+            self._hooks.append(param.unsharded.register_post_accumulate_grad_hook(self._on_grad_accumulated))
+
+    def wait_for_unshard(self) -> None:
+        if self.state is GroupState.UNSHARDING:
+            pending, self._pending_gathers = self._pending_gathers, []
+            for gather in pending:
+                gather.finish()
+            self.state = GroupState.UNSHARDED
+
+    def reshard(self) -> None:
+        """Free the unsharded storage (owned by fullshard; autograd's references stay valid objects)."""
+        self.wait_for_unshard()
+        if self.state is GroupState.SHARDED:
+            return
+        for output in self._view_outputs:
+            if output is not None:
+                output.reclaim()
+        for param in self.params:
+            if param.unsharded_storage is not None:
+                param.unsharded_storage.reclaim()
+        self.state = GroupState.SHARDED
+
+    def register_unsharded(self) -> None:
+        for param in self.params:
+            param.register_unsharded()
+
+    def register_sharded(self) -> None:
+        for param in self.params:
+            param.register_sharded()
+
+    def refresh_sharded(self) -> None:
+        for param in self.params:
+            param.refresh_from_module()
+
+    # ------------------------------------------------------------------ backward
+    def _on_grad_accumulated(self, unsharded: nn.Parameter) -> None:
+        self._grads_ready.add(id(unsharded))
+        if self.on_grad_ready is not None:
+            self.on_grad_ready(self)
+
+    on_grad_ready = None  # set by the module state: called after each accumulated gradient
+
+    @property
+    def all_grads_ready(self) -> bool:
+        return len(self._grads_ready) == len(self.trainable)
+
+    @property
+    def has_unfinished_grads(self) -> bool:
+        """Some gradients arrived this backward but not all (unused parameters)."""
+        return bool(self._grads_ready) and not self.backward_done
+
+    def reduce(self) -> list[PendingReduce]:
+        """Start reduce-scatters of the accumulated unsharded gradients; skip buckets with none."""
+        pending = []
+        divide = self.divide_factor if self.divide_factor is not None else self.world
+        for index, bucket in enumerate(self.buckets):
+            members = [self.params[i] for i in bucket.members]
+            if not members[0].requires_grad:
+                continue
+            grads = [p.take_unsharded_grad() for p in members]
+            if all(g is None for g in grads):
+                continue
+            present = [g for g in grads if g is not None]
+            reduce_dtype = self.reduce_dtype(members[0])
+            plan = plan_reduce(
+                bucket,
+                tuple(p.layout for p in self.params),
+                grad_dtype_is_reduce_dtype=all(g.dtype == reduce_dtype for g in present),
+                grads_contiguous=all(g.is_contiguous() for g in present),
+                reduce_dtype_is_param_dtype=reduce_dtype == members[0].stored_dtype,
+            )
+            pending.append(
+                reduce_bucket(bucket, plan, members, grads, reduce_dtype, self.process_group, divide, self.labels[index])
+            )
+        return pending
+
+    def reset_backward(self) -> None:
+        self._grads_ready.clear()
+        self.backward_done = False

@@ -1,0 +1,155 @@
+"""One parameter: its sharded DTensor, its unsharded compute tensor, and the swap between them.
+
+A module sees its sharded parameter (an ``nn.Parameter`` wrapping a DTensor)
+at rest, so ``parameters()``, optimizers, ``state_dict`` and checkpoints see
+shards. Around its forward the module sees the unsharded parameter (a plain
+``nn.Parameter`` in ``param_dtype``) whose storage the group fills by
+all-gather and reclaims on reshard; autograd keeps references to that tensor,
+which is why reshard frees its *storage* (owned by fullshard) rather than
+dropping the tensor.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn as nn
+from torch.distributed.tensor import DeviceMesh, DTensor, Shard
+
+from fullshard.buffers import Owned
+from fullshard.plan import ShardLayout, stores_padded_chunk
+
+
+def _contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
+    stride, running = [], 1
+    for size in reversed(shape):
+        stride.append(running)
+        running *= max(size, 1)
+    return tuple(reversed(stride))
+
+
+class ShardedParam:
+    """State of one managed parameter (possibly registered under several names: tied weights)."""
+
+    def __init__(
+        self,
+        param: nn.Parameter,
+        owners: list[tuple[nn.Module, str]],
+        fqn: str,
+        layout: ShardLayout,
+        mesh: DeviceMesh,
+        rank: int,
+        device: torch.device,
+        compute_dtype: Optional[torch.dtype],
+    ) -> None:
+        self.fqn = fqn
+        self.owners = owners
+        self.layout = layout
+        self.mesh = mesh
+        self.rank = rank
+        self.device = device
+        self.requires_grad = param.requires_grad
+        self.stored_dtype = param.dtype
+        self.compute_dtype = compute_dtype or param.dtype
+        self.sharded: nn.Parameter
+        # Storage of the sharded parameter holding the whole padded chunk, when
+        # the layout allows one (``stores_padded_chunk``); the local shard is a
+        # prefix view of it, so a lone same-dtype all-gather can read it directly.
+        self.padded_chunk: Optional[torch.Tensor] = None
+        self.unsharded: Optional[nn.Parameter] = None
+        # Set when the unsharded parameter has storage of its own (copy-out path);
+        # None when it is a view of its bucket's all-gather output.
+        self.unsharded_storage: Optional[Owned] = None
+        # True between a reduce-scatter's issue and its completion for this parameter.
+        self.had_grad = False
+        with torch.no_grad():
+            full = param.detach()
+            if full.device != device and full.device.type != "meta":
+                full = full.to(device)
+            local = self._local_from_full(full)
+        self._install_sharded(local)
+
+    # ------------------------------------------------------------------ sharded side
+    def _local_from_full(self, full: torch.Tensor) -> torch.Tensor:
+        layout, rank = self.layout, self.rank
+        chunk = full.narrow(layout.dim, layout.local_offset(rank), layout.local_length(rank))
+        return self._store_local(chunk)
+
+    def _store_local(self, local: torch.Tensor) -> torch.Tensor:
+        """Copy a local shard into storage fullshard keeps for the sharded parameter."""
+        layout = self.layout
+        if stores_padded_chunk(layout):
+            self.padded_chunk = torch.zeros(layout.padded_chunk_shape, dtype=local.dtype, device=local.device)
+            stored = self.padded_chunk.narrow(layout.dim, 0, local.shape[layout.dim])
+            stored.copy_(local)
+            return stored
+        self.padded_chunk = None
+        return local.contiguous().clone()
+
+    def _install_sharded(self, local: torch.Tensor) -> None:
+        layout = self.layout
+        dtensor = DTensor.from_local(
+            local,
+            self.mesh,
+            [Shard(layout.dim)],
+            run_check=False,
+            shape=torch.Size(layout.shape),
+            stride=_contiguous_stride(layout.shape),
+        )
+        self.sharded = nn.Parameter(dtensor, requires_grad=self.requires_grad)
+        self.register_sharded()
+
+    def refresh_from_module(self) -> None:
+        """Re-adopt the sharded parameter if the user replaced it (``to_empty``, ``load_state_dict(assign=True)``)."""
+        module, name = self.owners[0]
+        current = module._parameters.get(name)
+        if current is self.sharded:
+            return
+        if not isinstance(current, DTensor) or tuple(current.shape) != self.layout.shape:
+            raise RuntimeError(
+                f"parameter '{self.fqn}' was replaced by a {type(current).__name__} of shape "
+                f"{tuple(getattr(current, 'shape', ()))}; after fully_shard it must stay a DTensor "
+                f"of shape {self.layout.shape} sharded like the original. Load full tensors with "
+                "load_state_dict (without assign=True) instead."
+            )
+        self.requires_grad = current.requires_grad
+        self.stored_dtype = current.dtype
+        with torch.no_grad():
+            local = self._store_local(current.to_local().to(self.device))
+        self._install_sharded(local)
+
+    def local_shard(self) -> torch.Tensor:
+        return self.sharded.to_local()
+
+    def register_sharded(self) -> None:
+        for module, name in self.owners:
+            module._parameters[name] = self.sharded
+
+    def register_unsharded(self) -> None:
+        for module, name in self.owners:
+            module._parameters[name] = self.unsharded
+
+    # ------------------------------------------------------------------ gradients
+    def to_sharded_grad(self, local_grad: torch.Tensor) -> None:
+        """Install a reduced local gradient, summing with an existing one (out of place)."""
+        old = self.sharded.grad
+        if old is not None:
+            local_grad = old.to_local() + local_grad
+        self.sharded.grad = DTensor.from_local(
+            local_grad,
+            self.mesh,
+            [Shard(self.layout.dim)],
+            run_check=False,
+            shape=torch.Size(self.layout.shape),
+            stride=_contiguous_stride(self.layout.shape),
+        )
+
+    def take_unsharded_grad(self) -> Optional[torch.Tensor]:
+        """Take the gradient autograd accumulated on the unsharded parameter (drops autograd's slot)."""
+        if self.unsharded is None:
+            return None
+        grad, self.unsharded.grad = self.unsharded.grad, None
+        return grad
+
+    def __repr__(self) -> str:
+        return f"ShardedParam({self.fqn}, shape={self.layout.shape}, dim={self.layout.dim})"

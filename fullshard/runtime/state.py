@@ -1,0 +1,209 @@
+"""Per-``fully_shard`` state: forward/backward hooks and the root's end of backward.
+
+Life of a group in one step (ZeRO-3):
+
+* pre-forward: all-gather (wait), register unsharded parameters, cast inputs;
+* post-forward: register sharded parameters again (so ``parameters()`` and
+  ``state_dict()`` always show shards), reshard if asked, hook the outputs so
+  the group is all-gathered again when backward reaches it, cast outputs;
+* backward: once every trainable parameter of the group has its gradient,
+  reduce-scatter them (asynchronously) and reshard;
+* end of backward (the root's callback): flush groups that did not finish,
+  wait for every reduction, install sharded gradients, reshard the rest.
+
+The first module whose forward runs while no other is running is the *root*
+of that forward: it lazily initializes every state below it.
+"""
+from __future__ import annotations
+
+import threading
+from typing import Any, Optional
+
+import torch
+import torch.nn as nn
+from torch.autograd import Variable
+from torch.utils._pytree import tree_flatten, tree_map
+
+from fullshard.policies import MixedPrecisionPolicy
+from fullshard.runtime.collectives import PendingReduce
+from fullshard.runtime.group import ParamGroup
+
+_active = threading.local()
+
+
+def _active_root() -> Optional["ShardState"]:
+    return getattr(_active, "root", None)
+
+
+def _in_backward() -> bool:
+    return torch._C._current_graph_task_id() != -1
+
+
+class ShardState:
+    def __init__(
+        self,
+        modules: list[nn.Module],
+        group: Optional[ParamGroup],
+        mp_policy: MixedPrecisionPolicy,
+        reshard_after_forward: Optional[bool],
+    ) -> None:
+        self.modules = modules
+        self.group = group
+        self.mp_policy = mp_policy
+        self._reshard_after_forward = reshard_after_forward
+        self.is_root: Optional[bool] = None
+        self.root: Optional[ShardState] = None
+        self.subtree: list[ShardState] = []  # root only: every state under it, in module order
+        self.forward_prefetch: list[ShardState] = []
+        self.backward_prefetch: list[ShardState] = []
+        self._forward_done: set[int] = set()
+        self._final_callback_queued = False
+        self._pending_reduces: list[PendingReduce] = []
+        self.is_last_backward = True
+        if group is not None:
+            group.on_grad_ready = self._on_grad_ready
+        for module in modules:
+            module.register_forward_pre_hook(self._pre_forward, prepend=True, with_kwargs=True)
+            module.register_forward_hook(self._post_forward, prepend=False)
+
+    @property
+    def reshard_after_forward(self) -> bool:
+        if self._reshard_after_forward is None:
+            return not self.is_root
+        return self._reshard_after_forward
+
+    @reshard_after_forward.setter
+    def reshard_after_forward(self, value: bool) -> None:
+        self._reshard_after_forward = value
+
+    # ------------------------------------------------------------------ lazy init
+    def _lazy_init_as_root(self) -> None:
+        if self.is_root is not None and self.root is self:
+            return
+        self.is_root, self.root = True, self
+        self.subtree = [self]
+        seen = {id(self)}
+        for module in self.modules:
+            for name, sub in module.named_modules():
+                state = getattr(sub, "_fullshard_state", None)
+                if state is None or id(state) in seen:
+                    continue
+                seen.add(id(state))
+                if state.is_root is None or state.root is not self:
+                    state.is_root, state.root = False, self
+                self.subtree.append(state)
+
+    # ------------------------------------------------------------------ forward
+    def _pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        if _active_root() is None:
+            self._lazy_init_as_root()
+            _active.root = self
+            for state in self.subtree:  # cheap identity checks: re-adopt replaced parameters
+                if state.group is not None:
+                    state.group.refresh_sharded()
+        if self.group is not None:
+            self.group.unshard()
+            self.group.wait_for_unshard()
+            self.group.register_unsharded()
+            for other in self.forward_prefetch:
+                if other.group is not None:
+                    other.group.unshard()
+        dtype = self.mp_policy.param_dtype
+        if dtype is not None and self.mp_policy.cast_forward_inputs:
+            args, kwargs = _cast_floats((args, kwargs), dtype)
+        return args, kwargs
+
+    def _post_forward(self, module: nn.Module, args: tuple, output: Any) -> Any:
+        if self.group is not None:
+            self.group.register_sharded()
+            self._forward_done.add(id(module))
+            all_ran = len(self._forward_done) == len(self.modules)
+            if all_ran:
+                self._forward_done.clear()
+                if self.reshard_after_forward and not _in_backward():
+                    self.group.reshard()
+            if torch.is_grad_enabled():
+                self._hook_outputs_for_backward(output)
+        if self.mp_policy.output_dtype is not None:
+            output = _cast_floats(output, self.mp_policy.output_dtype)
+        if _active_root() is self:
+            self._finish_root_forward()
+            _active.root = None
+        return output
+
+    def _finish_root_forward(self) -> None:
+        # Groups of several modules where not all ran still follow their policy.
+        for state in self.subtree:
+            state._forward_done.clear()
+            if state.group is not None and state.reshard_after_forward and state is not self:
+                state.group.reshard()
+
+    def _hook_outputs_for_backward(self, output: Any) -> None:
+        tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
+        if tensors:
+            torch.autograd.graph.register_multi_grad_hook(tensors, self._pre_backward, mode="any")
+
+    # ------------------------------------------------------------------ backward
+    def _pre_backward(self, _grad: Any) -> None:
+        self._queue_final_callback()
+        group = self.group
+        group.unshard()
+        group.wait_for_unshard()
+        for other in self.backward_prefetch:
+            if other.group is not None:
+                other.group.unshard()
+
+    def _queue_final_callback(self) -> None:
+        root = self.root or self
+        if not root._final_callback_queued:
+            root._final_callback_queued = True
+            Variable._execution_engine.queue_callback(root._end_of_backward)
+
+    def _on_grad_ready(self, group: ParamGroup) -> None:
+        self._queue_final_callback()
+        if group.all_grads_ready and not group.backward_done:
+            self._finish_group_backward(group)
+
+    def _finish_group_backward(self, group: ParamGroup) -> None:
+        group.backward_done = True
+        root = self.root or self
+        if group.reduce_grads:
+            # Keep at most one bucket set in flight: finishing the previous
+            # reductions here bounds memory and overlaps them with this backward.
+            root._finish_reduces()
+            root._pending_reduces.extend(group.reduce())
+        # A group with frozen parameters may still be needed by backward ops
+        # that only compute input gradients: it is resharded at the end instead.
+        if group.reshard_after_backward and len(group.trainable) == len(group.params):
+            group.reshard()
+
+    def _finish_reduces(self) -> None:
+        pending, self._pending_reduces = self._pending_reduces, []
+        for reduce in pending:
+            reduce.finish()
+
+    def _end_of_backward(self) -> None:
+        for state in self.subtree:
+            group = state.group
+            if group is None:
+                continue
+            if group.has_unfinished_grads:
+                state._finish_group_backward(group)
+        self._finish_reduces()
+        for state in self.subtree:
+            group = state.group
+            if group is None:
+                continue
+            if group.reshard_after_backward:
+                group.reshard()
+            group.reset_backward()
+        self._final_callback_queued = False
+
+
+def _cast_floats(tree: Any, dtype: torch.dtype) -> Any:
+    def cast(x: Any) -> Any:
+        if isinstance(x, torch.Tensor) and x.is_floating_point() and x.dtype != dtype:
+            return x.to(dtype)
+        return x
+
+    return tree_map(cast, tree)
