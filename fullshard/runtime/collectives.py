@@ -17,6 +17,10 @@ from fullshard.buffers import Borrowed, Owned
 from fullshard.plan import BucketLayout, GatherPlan, Ownership, ReducePlan, ShardedGrad, Unsharded
 from fullshard.runtime.param import ShardedParam
 
+# torch 2.13 renamed the tensor-in/tensor-out collectives; older releases only have the old names.
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
 
 def _rank_chunks(flat: torch.Tensor, bucket: BucketLayout, index: int, param: ShardedParam) -> list[torch.Tensor]:
     """The padded chunk of member ``index`` in every rank's part of a rank-major buffer."""
@@ -27,8 +31,9 @@ def _rank_chunks(flat: torch.Tensor, bucket: BucketLayout, index: int, param: Sh
 
 
 class PendingGather:
-    def __init__(self, work, transient: list, copy_out: Optional[Owned], bucket, params) -> None:
+    def __init__(self, work, version_guard, transient: list, copy_out: Optional[Owned], bucket, params) -> None:
         self.work = work
+        self.version_guard = version_guard
         self.transient = transient
         self.copy_out = copy_out
         self.bucket = bucket
@@ -36,6 +41,14 @@ class PendingGather:
 
     def finish(self) -> None:
         self.work.wait()
+        # The collective bumps the output's autograd version counter (from a
+        # background thread, some time before the wait returns). Backward saved
+        # the unsharded parameters that view this output; refilling them with
+        # the same values must not look like an in-place edit, so the version
+        # taken before the collective is restored now that it is done.
+        with self.version_guard:
+            pass
+        self.version_guard = None
         if self.copy_out is not None:
             out = self.copy_out.tensor
             with torch.no_grad():
@@ -79,10 +92,10 @@ def gather_bucket(
                     region.narrow(param.layout.dim, 0, length).copy_(local)
                     region.narrow(param.layout.dim, length, param.layout.chunk - length).zero_()
         out = output.writable("all-gather into")
-        with torch.autograd._unsafe_preserve_version_counter(out):
-            work = dist.all_gather_into_tensor(out, source.tensor, group=group, async_op=True)
+        version_guard = torch.autograd._unsafe_preserve_version_counter(out)
+        work = _all_gather(out, source.tensor, group=group, async_op=True)
     copy_out = output if plan.unsharded is Unsharded.OWN_STORAGE else None
-    return PendingGather(work, [source], copy_out, bucket, list(params))
+    return PendingGather(work, version_guard, [source], copy_out, bucket, list(params))
 
 
 class PendingReduce:
@@ -157,7 +170,7 @@ def reduce_bucket(
                     length = layout.local_length(rank)
                     chunk.narrow(layout.dim, 0, length).copy_(grad.narrow(layout.dim, layout.local_offset(rank), length))
         output = buffers.allocate(bucket.chunk_numel, reduce_dtype, device, f"reduce-scatter output of {label}")
-        work = dist.reduce_scatter_tensor(
+        work = _reduce_scatter(
             output.writable("reduce-scatter into"), source.tensor, op=dist.ReduceOp.SUM, group=group, async_op=True
         )
     present = [g is not None for g in grads]

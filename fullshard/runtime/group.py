@@ -37,7 +37,7 @@ class ParamGroup:
         process_group: dist.ProcessGroup,
         reduce_dtype: Optional[torch.dtype],
         module_name: str,
-        fuse_below_numel: int = DEFAULT_FUSE_BELOW_NUMEL,
+        fuse_below_numel: Optional[int] = None,
     ) -> None:
         self.params = params
         self.process_group = process_group
@@ -47,7 +47,8 @@ class ParamGroup:
         layouts = tuple(p.layout for p in params)
         # Only parameters of the same dtypes and trainability share a buffer.
         kinds = tuple((p.stored_dtype, p.compute_dtype, p.requires_grad) for p in params)
-        self.buckets = plan_buckets(layouts, fuse_below_numel, kinds)
+        fuse = DEFAULT_FUSE_BELOW_NUMEL if fuse_below_numel is None else fuse_below_numel
+        self.buckets = plan_buckets(layouts, fuse, kinds)
         self.gather_plans = [
             plan_gather(b, layouts, cast_needed=params[b.members[0]].compute_dtype != params[b.members[0]].stored_dtype)
             for b in self.buckets

@@ -1,0 +1,1 @@
+"""Models written plainly in the project (the main job and the tests use them)."""

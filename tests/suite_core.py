@@ -1,0 +1,201 @@
+"""Core scenarios (issue 2): parity of fully_shard with a single-process reference.
+
+Run by tests/test_core.py on 2 gloo ranks; each entry is one scenario.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn as nn
+from torch.distributed.fsdp import MixedPrecisionPolicy as TorchMixedPrecisionPolicy
+from torch.distributed.tensor import DTensor, Shard
+
+import fullshard.runtime.group as group_module
+from fullshard import FSDPModule, MixedPrecisionPolicy, fully_shard
+from tests.parity import TorchLayersLM, build_gpt, mesh_1d, run_parity, shard_blocks_then_root
+
+
+def _with_fusion(fuse_below: int):
+    """Run a scenario with a given fusion threshold (0: one collective per parameter)."""
+
+    def decorate(fn):
+        @functools.wraps(fn)
+        def wrapped():
+            saved = group_module.DEFAULT_FUSE_BELOW_NUMEL
+            group_module.DEFAULT_FUSE_BELOW_NUMEL = fuse_below
+            try:
+                return fn()
+            finally:
+                group_module.DEFAULT_FUSE_BELOW_NUMEL = saved
+
+        return wrapped
+
+    return decorate
+
+
+def default_gpt():
+    mesh = mesh_1d()
+    result = run_parity(build_gpt, lambda m: shard_blocks_then_root(m, mesh=mesh))
+    # AdamW steps on DTensor shards too (its state is sharded like the parameters); see
+    # parity.py for why its tolerance on final parameters is looser.
+    adam = run_parity(
+        build_gpt, lambda m: shard_blocks_then_root(m, mesh=mesh), param_atol=2e-4,
+        optimizer=lambda params: torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1),
+    )
+    return {"losses": result.losses, "adam_losses": adam.losses, "max_param_diff": result.max_param_diff}
+
+
+@_with_fusion(0)
+def default_gpt_unfused():
+    mesh = mesh_1d()
+    return run_parity(build_gpt, lambda m: shard_blocks_then_root(m, mesh=mesh)).losses
+
+
+@_with_fusion(1 << 30)
+def default_gpt_all_fused():
+    mesh = mesh_1d()
+    return run_parity(build_gpt, lambda m: shard_blocks_then_root(m, mesh=mesh)).losses
+
+
+def no_reshard_after_forward():
+    mesh = mesh_1d()
+    return run_parity(build_gpt, lambda m: shard_blocks_then_root(m, mesh=mesh, reshard_after_forward=False)).losses
+
+
+def seed_config_fp32_reduce():
+    """The seed's configuration: fp32 parameters, reduce_dtype=float32 (grad dtype == reduce dtype)."""
+    mesh = mesh_1d()
+    mp = MixedPrecisionPolicy(reduce_dtype=torch.float32)
+    return run_parity(build_gpt, lambda m: shard_blocks_then_root(m, mesh=mesh, mp_policy=mp)).losses
+
+
+def bf16_compute_fp32_reduce():
+    mesh = mesh_1d()
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    result = run_parity(
+        build_gpt, lambda m: shard_blocks_then_root(m, mesh=mesh, mp_policy=mp),
+        rtol=2e-2, atol=2e-2, param_atol=3e-2,
+    )
+    return result.losses
+
+
+def torch_layers_model():
+    mesh = mesh_1d()
+    result = run_parity(TorchLayersLM, lambda m: shard_blocks_then_root(m, mesh=mesh))
+    return result.losses
+
+
+def dim1_sharding():
+    mesh = mesh_1d()
+
+    def wrap(model):
+        return shard_blocks_then_root(model, mesh=mesh, shard_placement_fn=lambda p: Shard(p.dim() - 1))
+
+    run_parity(build_gpt, wrap)
+    # Placement really is the requested one.
+    model = build_gpt()
+    wrap(model)
+    placements = {name: p.placements[0] for name, p in model.named_parameters()}
+    assert placements["layers.0.mlp.0.weight"] == Shard(1), placements
+    return True
+
+
+class UnevenNet(nn.Module):
+    """Shapes that do not divide by 2 or 4, and a parameter smaller than the world size."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(7, 5)
+        self.b = nn.Linear(5, 3)
+        self.tiny = nn.Parameter(torch.randn(1, 3))
+        self.c = nn.Linear(3, 9)
+
+    def forward(self, x):
+        return self.c(torch.tanh(self.b(torch.tanh(self.a(x)))) * self.tiny)
+
+
+def _uneven_batch(step, batch):
+    gen = torch.Generator().manual_seed(step)
+    return (torch.randn(batch, 7, generator=gen), torch.randn(batch, 9, generator=gen))
+
+
+def _mse(model, batch):
+    x, y = batch
+    return nn.functional.mse_loss(model(x), y)
+
+
+def uneven_shapes():
+    mesh = mesh_1d()
+
+    def wrap(model):
+        fully_shard(model.a, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+
+    run_parity(UnevenNet, wrap, make_batch=_uneven_batch, loss_fn=_mse)
+    run_parity(
+        UnevenNet,
+        lambda m: fully_shard(m, mesh=mesh, shard_placement_fn=lambda p: Shard(p.dim() - 1)),
+        make_batch=_uneven_batch, loss_fn=_mse,
+    )
+    return True
+
+
+def tied_weights():
+    mesh = mesh_1d()
+    model = build_gpt()
+    assert model.lm_head.weight is model.wte.weight
+    run_parity(build_gpt, lambda m: shard_blocks_then_root(m, mesh=mesh))
+    shard_blocks_then_root(model, mesh=mesh)
+    assert model.lm_head.weight is model.wte.weight, "tie broken by fully_shard"
+    names = [n for n, _ in model.named_parameters()]
+    assert "wte.weight" in names and "lm_head.weight" not in names  # deduplicated like the original
+    return True
+
+
+def gradient_accumulation():
+    mesh = mesh_1d()
+    return run_parity(build_gpt, lambda m: shard_blocks_then_root(m, mesh=mesh), micro_batches=2, global_batch=8).losses
+
+
+def clip_grad_norm():
+    mesh = mesh_1d()
+    return run_parity(build_gpt, lambda m: shard_blocks_then_root(m, mesh=mesh), clip=0.05).losses
+
+
+def api_surface():
+    """DTensor parameters and grads, FQNs, dynamic subclass, unshard/reshard handles."""
+    mesh = mesh_1d()
+    torch.manual_seed(0)
+    model = build_gpt()
+    names_before = [n for n, _ in model.named_parameters()]
+    cls_before = type(model)
+    shard_blocks_then_root(model, mesh=mesh, mp_policy=TorchMixedPrecisionPolicy())
+    assert isinstance(model, FSDPModule) and isinstance(model, cls_before) and type(model) is not cls_before
+    assert isinstance(model.layers[0], FSDPModule)
+    assert [n for n, _ in model.named_parameters()] == names_before
+    for name, param in model.named_parameters():
+        assert isinstance(param, DTensor) and param.placements == (Shard(0),), name
+    sd = model.state_dict()
+    assert all(isinstance(v, DTensor) for k, v in sd.items() if k in names_before)
+    tokens = torch.randint(0, 64, (2, 16))
+    model(tokens).sum().backward()
+    for name, param in model.named_parameters():
+        assert isinstance(param.grad, DTensor) and param.grad.placements == param.placements, name
+        assert param.grad.to_local().shape == param.to_local().shape, name
+    handle = model.layers[0].unshard(async_op=True)
+    handle.wait()
+    weight = model.layers[0].attn.qkv.weight
+    assert not isinstance(weight, DTensor) and weight.shape == (96, 32)
+    torch.testing.assert_close(weight, model.layers[0].attn.qkv._parameters["weight"])
+    model.layers[0].reshard()
+    assert isinstance(model.layers[0].attn.qkv.weight, DTensor)
+    return True
+
+
+def suite():
+    return {fn.__name__: fn for fn in [
+        api_surface, default_gpt, default_gpt_unfused, default_gpt_all_fused, no_reshard_after_forward,
+        seed_config_fp32_reduce, bf16_compute_fp32_reduce, torch_layers_model, dim1_sharding, uneven_shapes,
+        tied_weights, gradient_accumulation, clip_grad_norm,
+    ]}
