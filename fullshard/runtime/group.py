@@ -66,6 +66,15 @@ class ParamGroup:
         self.backward_done = False
         self._hooks: list = []
 
+    def rename(self, module_fqn: str) -> None:
+        """Name the group's parameters by their path from the root module (known at lazy init)."""
+        if self.module_name == module_fqn or not module_fqn:
+            return
+        for param in self.params:
+            param.fqn = f"{module_fqn}.{param.local_fqn}"
+        self.module_name = module_fqn
+        self.labels = [self._label(b.members) for b in self.buckets]
+
     def _label(self, members: tuple[int, ...]) -> str:
         names = ", ".join(self.params[i].fqn for i in members[:3])
         more = f" and {len(members) - 3} more" if len(members) > 3 else ""

@@ -42,7 +42,8 @@ class ShardedParam:
         device: torch.device,
         compute_dtype: Optional[torch.dtype],
     ) -> None:
-        self.fqn = fqn
+        self.local_fqn = fqn  # relative to the module fully_shard was applied to
+        self.fqn = fqn  # from the root, once the root is known (ParamGroup.rename)
         self.owners = owners
         self.layout = layout
         self.mesh = mesh

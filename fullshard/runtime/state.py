@@ -64,7 +64,8 @@ class ShardState:
             group.on_grad_ready = self._on_grad_ready
         for module in modules:
             module.register_forward_pre_hook(self._pre_forward, prepend=True, with_kwargs=True)
-            module.register_forward_hook(self._post_forward, prepend=False)
+            # always_call: a forward that raises still restores the sharded registration and the root marker
+            module.register_forward_hook(self._post_forward, prepend=False, always_call=True)
 
     @property
     def reshard_after_forward(self) -> bool:
@@ -91,6 +92,8 @@ class ShardState:
                 seen.add(id(state))
                 if state.is_root is None or state.root is not self:
                     state.is_root, state.root = False, self
+                if state.group is not None:
+                    state.group.rename(name)  # errors and labels name parameters from the root
                 self.subtree.append(state)
 
     # ------------------------------------------------------------------ forward

@@ -1,0 +1,220 @@
+"""Regression scenarios for the seed's bug class (issue 2), on 2 gloo ranks.
+
+The runtime is observed from outside: which tensors it borrows and allocates
+(by wrapping ``fullshard.buffers``) and which gradients autograd handed it
+(by wrapping ``ShardedParam.take_unsharded_grad``).
+"""
+from __future__ import annotations
+
+import contextlib
+import weakref
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.tensor import Shard
+
+import fullshard.runtime.group as group_module
+from fullshard import MixedPrecisionPolicy, buffers, fully_shard
+from fullshard.runtime.param import ShardedParam
+from tests.parity import mesh_1d, run_parity
+
+
+@contextlib.contextmanager
+def observe():
+    """Record gradients handed to fullshard, and what it borrows and allocates."""
+    seen = {"grads": [], "borrowed": [], "allocated": []}
+    take, borrow, allocate = ShardedParam.take_unsharded_grad, buffers.borrow, buffers.allocate
+
+    def take_and_record(self):
+        grad = take(self)
+        if grad is not None:
+            seen["grads"].append((self.fqn, grad, grad.clone(), grad.untyped_storage().nbytes()))
+        return grad
+
+    def borrow_and_record(tensor, what):
+        seen["borrowed"].append((what, tensor))
+        return borrow(tensor, what)
+
+    def allocate_and_record(*args, **kwargs):
+        owned = allocate(*args, **kwargs)
+        seen["allocated"].append((owned.what, weakref.ref(owned), owned.tensor))
+        return owned
+
+    ShardedParam.take_unsharded_grad = take_and_record
+    buffers.borrow, buffers.allocate = borrow_and_record, allocate_and_record
+    saved_fuse = group_module.DEFAULT_FUSE_BELOW_NUMEL
+    group_module.DEFAULT_FUSE_BELOW_NUMEL = 0  # the seed's configuration: no communication fusion
+    try:
+        yield seen
+    finally:
+        ShardedParam.take_unsharded_grad = take
+        buffers.borrow, buffers.allocate = borrow, allocate
+        group_module.DEFAULT_FUSE_BELOW_NUMEL = saved_fuse
+
+
+def _assert_caller_grads_intact(seen):
+    assert seen["grads"], "no gradient reached fullshard"
+    for fqn, grad, snapshot, nbytes in seen["grads"]:
+        assert grad.untyped_storage().nbytes() == nbytes, f"{fqn}: caller's gradient storage was freed"
+        assert torch.equal(grad, snapshot), f"{fqn}: caller's gradient was written"
+
+
+class MLP(nn.Module):
+    def __init__(self, sizes):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(a, b) for a, b in zip(sizes, sizes[1:]))
+
+    def forward(self, x):
+        for layer in self.layers[:-1]:
+            x = torch.tanh(layer(x))
+        return self.layers[-1](x)
+
+
+def _batch_for(width_in, width_out):
+    def make(step, batch):
+        gen = torch.Generator().manual_seed(step)
+        return torch.randn(batch, width_in, generator=gen), torch.randn(batch, width_out, generator=gen)
+
+    return make
+
+
+def _mse(model, batch):
+    return nn.functional.mse_loss(model(batch[0]), batch[1])
+
+
+def _seed_config(sizes, dim):
+    mesh = mesh_1d()
+    mp = MixedPrecisionPolicy(reduce_dtype=torch.float32)
+    placement = (lambda p: Shard(min(dim, p.dim() - 1))) if dim else None
+
+    def wrap(model):
+        for layer in model.layers:
+            fully_shard(layer, mesh=mesh, mp_policy=mp, shard_placement_fn=placement)
+        fully_shard(model, mesh=mesh, mp_policy=mp, shard_placement_fn=placement)
+
+    with observe() as seen:
+        run_parity(lambda: MLP(sizes), wrap, make_batch=_batch_for(sizes[0], sizes[-1]), loss_fn=_mse, steps=3)
+    _assert_caller_grads_intact(seen)
+    borrowed_grads = [what for what, _ in seen["borrowed"] if what.startswith("gradient of")]
+    packed_inputs = [what for what, _, _ in seen["allocated"] if what.startswith("reduce-scatter input")]
+    return {"borrowed": len(borrowed_grads), "packed": len(packed_inputs), "grads": len(seen["grads"])}
+
+
+def seed_config_even_dim0():
+    """Even dim-0 shards, same dtype: the caller's gradient IS the reduce-scatter input (zero copy)."""
+    counts = _seed_config([8, 16, 4], dim=0)
+    assert counts["packed"] == 0, f"zero-copy path allocated reduce-scatter inputs: {counts}"
+    assert counts["borrowed"] == counts["grads"] > 0, counts
+    return counts
+
+
+def seed_config_padded_dim0():
+    counts = _seed_config([7, 5, 3], dim=0)
+    assert counts["packed"] == counts["grads"] and counts["borrowed"] == 0, counts
+    return counts
+
+
+def seed_config_even_dim1():
+    counts = _seed_config([8, 16, 4], dim=1)
+    # weights (dim 1) are re-laid out; biases (1-D, dim 0 even) are borrowed
+    assert counts["borrowed"] == counts["packed"] == counts["grads"] // 2 > 0, counts
+    return counts
+
+
+def seed_config_padded_dim1():
+    counts = _seed_config([7, 5, 3], dim=1)
+    assert counts["borrowed"] == 0 and counts["packed"] == counts["grads"], counts
+    return counts
+
+
+class ConcatUser(nn.Module):
+    """Two parameters concatenated in forward: autograd hands each a view of ONE gradient buffer."""
+
+    def __init__(self):
+        super().__init__()
+        self.w1 = nn.Linear(6, 8, bias=False)
+        self.w2 = nn.Linear(6, 8, bias=False)
+
+    def forward(self, x):
+        return x @ torch.cat([self.w1.weight, self.w2.weight]).t()
+
+
+def gradients_sharing_one_storage():
+    mesh = mesh_1d()
+
+    def wrap(model):  # one group; without fusion each weight has its own reduce-scatter
+        fully_shard(model, mesh=mesh)
+
+    with observe() as seen:
+        run_parity(ConcatUser, wrap, make_batch=_batch_for(6, 16), loss_fn=_mse, steps=3)
+    _assert_caller_grads_intact(seen)
+    by_name = {}
+    for fqn, grad, _, _ in seen["grads"]:
+        by_name.setdefault(fqn, grad)
+    g1, g2 = by_name["w1.weight"], by_name["w2.weight"]
+    assert g1.untyped_storage().data_ptr() == g2.untyped_storage().data_ptr(), "premise: grads share a storage"
+    return True
+
+
+def low_precision_stored_fp32_reduce():
+    """bf16-stored parameters reduced in fp32: the fp32 mean lands, cast once, in the bf16 shard."""
+    mesh = mesh_1d()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    model = MLP([8, 16, 4]).to(torch.bfloat16)
+    reference = MLP([8, 16, 4]).to(torch.bfloat16)
+    reference.load_state_dict(model.state_dict())
+    mp = MixedPrecisionPolicy(reduce_dtype=torch.float32)
+    for layer in model.layers:
+        fully_shard(layer, mesh=mesh, mp_policy=mp)
+    fully_shard(model, mesh=mesh, mp_policy=mp)
+    x, y = _batch_for(8, 4)(0, 4 * world)
+    x, y = x.bfloat16(), y.bfloat16()
+    with observe() as seen:
+        _mse(model, (x.chunk(world)[rank], y.chunk(world)[rank])).backward()
+    _assert_caller_grads_intact(seen)
+    # Emulate: every rank's bf16 gradient, averaged in fp32, cast to bf16 once.
+    _mse(reference, (x.chunk(world)[rank], y.chunk(world)[rank])).backward()
+    for (name, param), ref in zip(model.named_parameters(), reference.parameters()):
+        assert param.dtype == torch.bfloat16 and param.grad.dtype == torch.bfloat16, name
+        gathered = [torch.empty_like(ref.grad, dtype=torch.float32) for _ in range(world)]
+        dist.all_gather(gathered, ref.grad.float())
+        expected = (sum(gathered) / world).bfloat16()
+        assert torch.equal(param.grad.full_tensor(), expected), name
+    return True
+
+
+def padding_path_reclaims_its_buffers():
+    """100 steps on the padding path: every owned reduce-scatter input is reclaimed; nothing leaks."""
+    mesh = mesh_1d()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    model = MLP([7, 5, 3])
+    for layer in model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    live = []
+    with observe() as seen:
+        for step in range(100):
+            x, y = _batch_for(7, 3)(step, 2 * world)
+            _mse(model, (x.chunk(world)[rank], y.chunk(world)[rank])).backward()
+            opt.step()
+            opt.zero_grad()
+            inputs = [t for what, _, t in seen["allocated"] if what.startswith("reduce-scatter input")]
+            leaked = [what for what, _, t in seen["allocated"] if t.untyped_storage().nbytes() and "input" in what]
+            assert inputs and not leaked, f"step {step}: not reclaimed: {leaked}"
+            seen["allocated"].clear()
+            seen["grads"].clear()
+            live.append(buffers.live_owned_buffers())
+    if buffers.check_ownership_enabled():
+        assert len(set(live[1:])) == 1, f"owned buffer count grows: {live[:3]} ... {live[-3:]}"
+    return live[-1]
+
+
+def suite():
+    return {fn.__name__: fn for fn in [
+        seed_config_even_dim0, seed_config_padded_dim0, seed_config_even_dim1, seed_config_padded_dim1,
+        gradients_sharing_one_storage, low_precision_stored_fp32_reduce, padding_path_reclaims_its_buffers,
+    ]}

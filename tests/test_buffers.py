@@ -1,0 +1,67 @@
+"""The ownership sanitizer (FULLSHARD_CHECK_OWNERSHIP) on its own, without processes."""
+import pytest
+import torch
+
+from fullshard import buffers
+from fullshard.buffers import OwnershipError
+
+
+@pytest.fixture(autouse=True)
+def sanitizer_on():
+    was = buffers.check_ownership_enabled()
+    buffers.set_check_ownership(True)
+    yield
+    buffers.set_check_ownership(was)
+
+
+def test_seed_bug_same_dtype_conversion_is_caught():
+    """The seed: a same-dtype 'conversion' of a borrowed gradient adopted as owned, then freed."""
+    grad = torch.randn(8, 4)
+    lent = buffers.borrow(grad, "gradient of [w] of module 'm'")
+    converted = grad.to(torch.float32).reshape(-1)  # returns the caller's storage
+    with pytest.raises(OwnershipError, match=r"gradient of \[w\] of module 'm'"):
+        buffers.adopt(converted, "reduce-scatter input of [w] of module 'm'")
+    lent.release()
+    assert grad.untyped_storage().nbytes() == 8 * 4 * 4  # untouched
+
+
+def test_a_real_cast_is_owned_and_can_be_reclaimed():
+    grad = torch.randn(8, 4)
+    lent = buffers.borrow(grad, "gradient")
+    owned = buffers.adopt(grad.to(torch.bfloat16), "cast of gradient")
+    owned.reclaim()
+    assert owned.is_reclaimed and grad.untyped_storage().nbytes() > 0
+    owned.regrow()
+    assert not owned.is_reclaimed
+    lent.release()
+
+
+def test_owned_storage_that_is_also_lent_cannot_be_freed_or_written():
+    owned = buffers.allocate(16, torch.float32, torch.device("cpu"), "padded input of [w]")
+    view_lent_elsewhere = buffers.borrow(owned.tensor[:8], "someone's view")
+    with pytest.raises(OwnershipError, match="free"):
+        owned.reclaim()
+    with pytest.raises(OwnershipError, match="scale"):
+        owned.writable("scale")
+    view_lent_elsewhere.release()
+    owned.writable("scale").mul_(2)
+    owned.reclaim()
+
+
+def test_unknown_storage_cannot_be_freed():
+    foreign = buffers.Owned.__new__(buffers.Owned)  # bypass registration: storage fullshard never allocated
+    foreign.tensor, foreign.what, foreign._nbytes = torch.randn(4), "a tensor from elsewhere", 16
+    with pytest.raises(OwnershipError, match="not allocated by fullshard"):
+        foreign.reclaim()
+
+
+def test_borrowed_has_no_way_to_free_or_write():
+    lent = buffers.borrow(torch.randn(4), "gradient")
+    assert not hasattr(lent, "reclaim") and not hasattr(lent, "writable")
+
+
+def test_handed_off_storage_is_no_longer_fullshards():
+    owned = buffers.allocate(4, torch.float32, torch.device("cpu"), "reduce-scatter output")
+    before = buffers.live_owned_buffers()
+    grad = owned.hand_off()
+    assert buffers.live_owned_buffers() == before - 1 and grad.numel() == 4

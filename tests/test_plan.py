@@ -1,0 +1,195 @@
+"""Unit and property tests of the framework-free planning code (no processes).
+
+torch appears here only as the oracle: the plan's layouts must reproduce what
+DTensor's Shard(dim) and the runtime's collectives do with real tensors, and
+its ownership decisions must agree with what torch's operations allocate.
+"""
+import subprocess
+import sys
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from fullshard.plan import (
+    Ownership,
+    ShardedGrad,
+    ShardLayout,
+    Unsharded,
+    plan_buckets,
+    plan_gather,
+    plan_reduce,
+    stores_padded_chunk,
+)
+
+shapes = st.lists(st.integers(0, 9), min_size=1, max_size=4).map(tuple)
+
+
+@st.composite
+def layouts(draw):
+    shape = draw(shapes)
+    dim = draw(st.integers(0, len(shape) - 1))
+    world = draw(st.integers(1, 8))
+    return ShardLayout(shape, dim, world)
+
+
+def padded_chunks(full: torch.Tensor, layout: ShardLayout) -> list[torch.Tensor]:
+    """What each rank contributes to a collective: its local shard, zero-padded to the chunk."""
+    chunks = []
+    for rank in range(layout.world):
+        local = full.narrow(layout.dim, layout.local_offset(rank), layout.local_length(rank))
+        padded = torch.zeros(layout.padded_chunk_shape, dtype=full.dtype)
+        padded.narrow(layout.dim, 0, local.shape[layout.dim]).copy_(local)
+        chunks.append(padded)
+    return chunks
+
+
+@settings(max_examples=300, deadline=None)
+@given(layouts())
+def test_local_shards_match_dtensor_chunking(layout):
+    full = torch.arange(layout.numel, dtype=torch.float32).reshape(layout.shape)
+    expected = list(torch.chunk(full, layout.world, dim=layout.dim)) if layout.dim_size else []
+    for rank in range(layout.world):
+        local = full.narrow(layout.dim, layout.local_offset(rank), layout.local_length(rank))
+        assert tuple(local.shape) == layout.local_shape(rank)
+        if rank < len(expected):
+            assert torch.equal(local, expected[rank])
+        else:  # DTensor gives the trailing ranks empty shards
+            assert local.shape[layout.dim] == 0
+    assert sum(layout.local_length(r) for r in range(layout.world)) == layout.dim_size
+
+
+@settings(max_examples=300, deadline=None)
+@given(layouts())
+def test_shard_then_gather_is_identity_and_padding_is_stripped(layout):
+    full = torch.randn(layout.shape)
+    gathered = torch.cat([c.reshape(-1) for c in padded_chunks(full, layout)])  # all-gather output
+    assert gathered.numel() == layout.padded_chunk_numel * layout.world
+    if layout.gather_is_prefix:
+        unsharded = gathered[: layout.numel].view(layout.shape)
+    else:
+        chunks = gathered.view(layout.world, *layout.padded_chunk_shape).unbind(0)
+        unsharded = torch.cat(chunks, dim=layout.dim).narrow(layout.dim, 0, layout.dim_size)
+    assert torch.equal(unsharded, full)
+
+
+@settings(max_examples=300, deadline=None)
+@given(layouts())
+def test_reduce_scatter_layout_gives_each_rank_its_shard(layout):
+    # Two "ranks' gradients" summed by a reduce-scatter over the packed layout.
+    grads = [torch.randn(layout.shape) for _ in range(2)]
+    packed = [torch.cat([c.reshape(-1) for c in padded_chunks(g, layout)]) for g in grads]
+    summed = (packed[0] + packed[1]).view(layout.world, layout.padded_chunk_numel)
+    total = grads[0] + grads[1]
+    for rank in range(layout.world):
+        chunk = summed[rank].view(layout.padded_chunk_shape).narrow(layout.dim, 0, layout.local_length(rank))
+        expected = total.narrow(layout.dim, layout.local_offset(rank), layout.local_length(rank))
+        assert torch.equal(chunk, expected)
+        if layout.gather_is_prefix:  # the sharded grad can be a prefix view
+            assert torch.equal(summed[rank][: layout.local_numel(rank)].view(layout.local_shape(rank)), expected)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(layouts(), min_size=1, max_size=12), st.integers(0, 64), st.data())
+def test_buckets_cover_every_parameter_once_without_overlap(candidates, threshold, data):
+    world = candidates[0].world
+    params = [ShardLayout(l.shape, l.dim, world) for l in candidates]
+    kinds = data.draw(st.lists(st.sampled_from("ab"), min_size=len(params), max_size=len(params)))
+    buckets = plan_buckets(params, threshold, kinds)
+    members = [m for b in buckets for m in b.members]
+    assert sorted(members) == list(range(len(params)))
+    for bucket in buckets:
+        assert len({kinds[m] for m in bucket.members}) == 1
+        spans = [bucket.member_span(i, params) for i in range(len(bucket.members))]
+        for (start, end), (next_start, _) in zip(spans, spans[1:]):
+            assert end == next_start  # packed back to back: no overlap, no gap
+        assert spans[0][0] == 0 and spans[-1][1] == bucket.chunk_numel
+        if len(bucket.members) > 1:
+            assert all(params[m].padded_chunk_numel < threshold for m in bucket.members)
+
+
+def test_large_parameters_travel_alone():
+    big, small = ShardLayout((64, 4), 0, 2), ShardLayout((3,), 0, 2)
+    buckets = plan_buckets([small, big, small], fuse_below_numel=16)
+    assert [b.members for b in buckets] == [(1,), (0, 2)]
+
+
+def test_layout_rejects_bad_input_with_clear_errors():
+    with pytest.raises(ValueError, match="out of range"):
+        ShardLayout((4, 4), 2, 2)
+    with pytest.raises(ValueError, match="scalar"):
+        ShardLayout((), 0, 2)
+    with pytest.raises(ValueError, match="world size"):
+        ShardLayout((4,), 0, 0)
+
+
+# ----------------------------------------------------------------------------- ownership
+def test_gather_plan_truth_table():
+    even = ShardLayout((8, 4), 0, 2)
+    uneven_dim1 = ShardLayout((4, 5), 1, 2)
+    single = plan_buckets([even], 0)[0]
+    plan = plan_gather(single, (even,), cast_needed=False)
+    assert (plan.input, plan.output, plan.unsharded) == (Ownership.BORROWED, Ownership.OWNED, Unsharded.VIEW_OF_OUTPUT)
+    assert plan_gather(single, (even,), cast_needed=True).input is Ownership.OWNED
+    lone_dim1 = plan_buckets([uneven_dim1], 0)[0]
+    plan = plan_gather(lone_dim1, (uneven_dim1,), cast_needed=False)
+    assert not stores_padded_chunk(uneven_dim1)
+    assert (plan.input, plan.unsharded) == (Ownership.OWNED, Unsharded.OWN_STORAGE)
+    fused = plan_buckets([even, even], 1 << 20)[0]
+    assert plan_gather(fused, (even, even), False).unsharded is Unsharded.OWN_STORAGE
+
+
+@pytest.mark.parametrize(
+    "shape, dim, same_dtype, contiguous, borrowed",
+    [
+        ((8, 4), 0, True, True, True),  # the seed's zero-copy case: even dim-0, same dtype
+        ((7, 4), 0, True, True, False),  # padding allocates
+        ((8, 4), 0, False, True, False),  # cast allocates
+        ((8, 4), 0, True, False, False),  # a strided gradient is packed
+        ((4, 8), 1, True, True, False),  # other dims need a re-layout
+        ((1, 8), 1, True, True, True),  # ...unless every dim before is 1
+    ],
+)
+def test_reduce_plan_borrows_only_when_the_gradient_is_the_input(shape, dim, same_dtype, contiguous, borrowed):
+    layout = ShardLayout(shape, dim, 2)
+    bucket = plan_buckets([layout], 0)[0]
+    plan = plan_reduce(bucket, (layout,), same_dtype, contiguous, reduce_dtype_is_param_dtype=True)
+    assert plan.input is (Ownership.BORROWED if borrowed else Ownership.OWNED)
+    assert plan.output is Ownership.OWNED
+
+
+def test_reduce_plan_fused_buckets_always_own_their_input():
+    layout = ShardLayout((8, 4), 0, 2)
+    bucket = plan_buckets([layout, layout], 1 << 20)[0]
+    assert plan_reduce(bucket, (layout, layout), True, True, True).input is Ownership.OWNED
+
+
+def test_sharded_grad_is_copied_when_it_must_change_dtype():
+    layout = ShardLayout((8, 4), 0, 2)
+    bucket = plan_buckets([layout], 0)[0]
+    assert plan_reduce(bucket, (layout,), True, True, True).sharded_grad is ShardedGrad.VIEW_OF_OUTPUT
+    assert plan_reduce(bucket, (layout,), False, True, False).sharded_grad is ShardedGrad.COPY
+
+
+def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_ownership_rules_agree_with_torch(dtype):
+    """The facts the plan relies on, checked on real tensors."""
+    grad = torch.randn(8, 4, dtype=dtype)
+    assert _same_storage(grad.to(dtype), grad)  # same-dtype to(): the caller's storage -> BORROWED
+    assert _same_storage(grad.reshape(-1), grad)  # reshape of contiguous: a view -> BORROWED
+    assert _same_storage(grad.view(-1), grad)
+    other = torch.float32 if dtype != torch.float32 else torch.bfloat16
+    assert not _same_storage(grad.to(other), grad)  # a real cast allocates -> OWNED
+    assert not _same_storage(torch.cat([grad, grad]), grad)  # cat allocates -> OWNED
+    padded = torch.nn.functional.pad(grad, (0, 0, 0, 1))
+    assert not _same_storage(padded, grad)  # padding allocates -> OWNED
+
+
+def test_plan_imports_no_framework():
+    code = "import sys, fullshard.plan; assert 'torch' not in sys.modules, 'plan imported torch'"
+    subprocess.run([sys.executable, "-c", code], check=True)
