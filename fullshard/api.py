@@ -12,6 +12,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import Shard
 
 from fullshard.plan import ShardLayout
+from fullshard.plan.strategy import Strategy, lifecycle
 from fullshard.policies import MixedPrecisionPolicy, OffloadPolicy, as_mp_policy, as_offload_policy
 from fullshard.runtime.group import ParamGroup
 from fullshard.runtime.param import ShardedParam
@@ -177,6 +178,7 @@ def fully_shard(
     mp_policy: Any = MixedPrecisionPolicy(),
     offload_policy: Any = OffloadPolicy(),
     ignored_params: Optional[set[nn.Parameter]] = None,
+    strategy: Union[str, Strategy] = Strategy.OPTIM_GRADS_PARAMS,
 ) -> Union[nn.Module, list[nn.Module]]:
     """Shard ``module``'s parameters across ``mesh`` (ZeRO-3), FSDP2-compatible.
 
@@ -185,6 +187,11 @@ def fully_shard(
     they are all-gathered in ``mp_policy.param_dtype``; after backward their
     gradients are reduce-scattered in ``mp_policy.reduce_dtype`` and averaged.
     A list of modules forms one communication group. Returns ``module``.
+
+    ``strategy`` (beyond FSDP2) names how much is sharded: ``"no_shard"``
+    (replicate, like DDP), ``"optim"`` (ZeRO-1), ``"optim_grads"`` (ZeRO-2) or
+    ``"optim_grads_params"`` (ZeRO-3, the default); see
+    ``fullshard.plan.strategy`` for the flags each one sets.
     """
     modules = list(module) if isinstance(module, (list, tuple)) else [module]
     name = ", ".join(type(m).__name__ for m in modules)
@@ -196,6 +203,11 @@ def fully_shard(
                 f"fully_shard was already applied to {type(m).__name__}; apply it once per module "
                 "(children first, then parents)"
             )
+    try:
+        strategy = Strategy.parse(strategy)
+    except ValueError as error:
+        raise ValueError(f"fully_shard({name}): {error}") from None
+    replicated = strategy is Strategy.NO_SHARD
     mp = as_mp_policy(mp_policy, name)
     offload = as_offload_policy(offload_policy, name)
     if reshard_after_forward is not None and not isinstance(reshard_after_forward, bool):
@@ -243,7 +255,7 @@ def fully_shard(
                 f"fully_shard({name}): shard_placement_fn returned Shard({placement.dim}) for '{fqn}' of "
                 f"shape {tuple(param.shape)}; the dim must be in [-{param.dim()}, {param.dim() - 1}]"
             )
-        plans.append((param, fqn, ShardLayout(tuple(param.shape), dim, world)))
+        plans.append((param, fqn, ShardLayout(tuple(param.shape), dim, 1 if replicated else world)))
 
     # Everything is validated: from here on the modules are changed.
     for m in modules:
@@ -253,10 +265,16 @@ def fully_shard(
     sharded = []
     for param, fqn, layout in plans:
         holders = [(owner, attr) for owner, attr, _ in owners[id(param)]]
-        sharded.append(ShardedParam(param, holders, fqn, layout, mesh, rank, device, mp.param_dtype))
+        sharded.append(ShardedParam(param, holders, fqn, layout, mesh, rank, device, mp.param_dtype, replicated))
         _MANAGED.add(param)
-    group = ParamGroup(sharded, mesh.get_group(), mp.reduce_dtype, name) if sharded else None
-    state = ShardState(modules, group, mp, reshard_after_forward)
+    flags = lifecycle(strategy, is_root=False, reshard_after_forward=reshard_after_forward)
+    group = None
+    if sharded:
+        group = ParamGroup(
+            sharded, mesh.get_group(), mp.reduce_dtype, name,
+            all_reduce=flags.all_reduce, reshard_after_backward=flags.reshard_after_backward,
+        )
+    state = ShardState(modules, group, mp, reshard_after_forward, strategy)
     for m in modules:
         m._fullshard_state = state
         cls = type(m)

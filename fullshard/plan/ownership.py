@@ -103,6 +103,7 @@ def plan_reduce(
     grad_dtype_is_reduce_dtype: bool,
     grads_contiguous: bool,
     reduce_dtype_is_param_dtype: bool,
+    all_reduce: bool = False,
 ) -> ReducePlan:
     """Reduce-scatter of one bucket.
 
@@ -116,7 +117,17 @@ def plan_reduce(
     The output is allocated by fullshard; the gradient division is done in
     place on it (it is owned), then it is handed to the sharded ``.grad`` and
     never freed by fullshard again.
+
+    An all-reduce (replicated parameters) works in place on its buffer, so its
+    input is always owned: the caller's gradient is never written.
     """
+    if all_reduce:
+        view_grad = reduce_dtype_is_param_dtype
+        return ReducePlan(
+            input=Ownership.OWNED,
+            output=Ownership.OWNED,
+            sharded_grad=ShardedGrad.VIEW_OF_OUTPUT if view_grad else ShardedGrad.COPY,
+        )
     lone = bucket.is_single
     layout = layouts[bucket.members[0]]
     borrow = (

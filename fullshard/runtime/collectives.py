@@ -7,6 +7,7 @@ offsets and lengths come from ``fullshard.plan``.
 """
 from __future__ import annotations
 
+from collections import Counter
 from typing import Optional, Sequence
 
 import torch
@@ -16,6 +17,11 @@ from fullshard import buffers
 from fullshard.buffers import Borrowed, Owned
 from fullshard.plan import BucketLayout, GatherPlan, Ownership, ReducePlan, ShardedGrad, Unsharded
 from fullshard.runtime.param import ShardedParam
+
+# Payload bytes of every collective issued by this process, by kind (each
+# collective's full buffer: all-gather output, reduce-scatter input,
+# all-reduce buffer). Read and reset through fullshard.accounting.
+traffic: Counter = Counter()
 
 # torch 2.13 renamed the tensor-in/tensor-out collectives; older releases only have the old names.
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -94,6 +100,7 @@ def gather_bucket(
         out = output.writable("all-gather into")
         version_guard = torch.autograd._unsafe_preserve_version_counter(out)
         work = _all_gather(out, source.tensor, group=group, async_op=True)
+        traffic["all_gather"] += out.numel() * out.element_size()
     copy_out = output if plan.unsharded is Unsharded.OWN_STORAGE else None
     return PendingGather(work, version_guard, [source], copy_out, bucket, list(params))
 
@@ -145,12 +152,15 @@ def reduce_bucket(
     group: dist.ProcessGroup,
     divide_factor: float,
     label: str,
+    all_reduce: bool = False,
 ) -> PendingReduce:
     """Start the reduce-scatter (sum) of one bucket's unsharded gradients.
 
     ``grads`` were taken from autograd; on the BORROWED path the lone gradient
     itself is the collective's input and is only ever dropped, never freed or
     written; otherwise an owned input is packed (cast, padded, fused).
+    With ``all_reduce`` (replicated parameters) the packed, owned buffer is
+    all-reduced in place and becomes the output.
     """
     device = params[0].device
     with torch.no_grad():
@@ -169,9 +179,14 @@ def reduce_bucket(
                 for rank, chunk in enumerate(_rank_chunks(flat, bucket, index, param)):
                     length = layout.local_length(rank)
                     chunk.narrow(layout.dim, 0, length).copy_(grad.narrow(layout.dim, layout.local_offset(rank), length))
+        present = [g is not None for g in grads]
+        if all_reduce:
+            work = dist.all_reduce(source.writable("all-reduce in place"), op=dist.ReduceOp.SUM, group=group, async_op=True)
+            traffic["all_reduce"] += source.nbytes
+            return PendingReduce(work, [], source, bucket, plan, list(params), present, divide_factor)
         output = buffers.allocate(bucket.chunk_numel, reduce_dtype, device, f"reduce-scatter output of {label}")
         work = _reduce_scatter(
             output.writable("reduce-scatter into"), source.tensor, op=dist.ReduceOp.SUM, group=group, async_op=True
         )
-    present = [g is not None for g in grads]
+        traffic["reduce_scatter"] += source.tensor.numel() * source.tensor.element_size()
     return PendingReduce(work, [source], output, bucket, plan, list(params), present, divide_factor)

@@ -37,9 +37,13 @@ class ParamGroup:
         process_group: dist.ProcessGroup,
         reduce_dtype: Optional[torch.dtype],
         module_name: str,
+        all_reduce: bool = False,
+        reshard_after_backward: bool = True,
         fuse_below_numel: Optional[int] = None,
     ) -> None:
         self.params = params
+        # Replicated parameters (no_shard): nothing to gather, gradients all-reduced.
+        self.all_reduce = all_reduce
         self.process_group = process_group
         self.world = dist.get_world_size(process_group)
         self.module_name = module_name
@@ -60,7 +64,7 @@ class ParamGroup:
         self.state = GroupState.SHARDED
         self._pending_gathers: list[PendingGather] = []
         self.reduce_grads = True
-        self.reshard_after_backward = True
+        self.reshard_after_backward = reshard_after_backward
         self.divide_factor: Optional[float] = None
         self._grads_ready: set[int] = set()
         self.backward_done = False
@@ -92,6 +96,10 @@ class ParamGroup:
         """Issue the all-gathers (asynchronously); :meth:`wait_for_unshard` completes them."""
         if self.state is not GroupState.SHARDED:
             return
+        if self.all_reduce:
+            self._unshard_replicated()
+            self.state = GroupState.UNSHARDED
+            return
         device = self.params[0].device
         for index, (bucket, plan) in enumerate(zip(self.buckets, self.gather_plans)):
             members = [self.params[i] for i in bucket.members]
@@ -100,6 +108,25 @@ class ParamGroup:
                 gather_bucket(bucket, plan, members, output, self.process_group, self.labels[index])
             )
         self.state = GroupState.UNSHARDING
+
+    def _unshard_replicated(self) -> None:
+        """no_shard: the unsharded parameter is the replica itself, or an owned cast of it."""
+        for param in self.params:
+            local = param.local_shard()
+            if param.compute_dtype == param.stored_dtype:
+                if param.unsharded is None or param.unsharded.untyped_storage()._cdata != local.untyped_storage()._cdata:
+                    self._make_unsharded(param, local)  # borrowed: the replica's own storage, never reclaimed
+                continue
+            if param.unsharded_storage is None:
+                param.unsharded_storage = buffers.adopt(
+                    local.to(param.compute_dtype), f"{param.compute_dtype} copy of '{param.fqn}' of module '{self.module_name}'"
+                )
+                self._make_unsharded(param, param.unsharded_storage.tensor)
+            else:
+                param.unsharded_storage.regrow()
+                target = param.unsharded_storage.writable("refresh the cast copy")
+                with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(target):
+                    target.copy_(local)
 
     def _gather_output(self, index: int, device: torch.device, members: list[ShardedParam]) -> Owned:
         bucket, plan = self.buckets[index], self.gather_plans[index]
@@ -150,6 +177,11 @@ class ParamGroup:
                 param.unsharded_storage.reclaim()
         self.state = GroupState.SHARDED
 
+    def mark_stale(self) -> None:
+        """Keep the unsharded storage but gather into it again before the next use (ZeRO-1/2)."""
+        self.wait_for_unshard()
+        self.state = GroupState.SHARDED
+
     def register_unsharded(self) -> None:
         for param in self.params:
             param.register_unsharded()
@@ -183,6 +215,7 @@ class ParamGroup:
         """Start reduce-scatters of the accumulated unsharded gradients; skip buckets with none."""
         pending = []
         divide = self.divide_factor if self.divide_factor is not None else self.world
+        layouts = tuple(p.layout for p in self.params)
         for index, bucket in enumerate(self.buckets):
             members = [self.params[i] for i in bucket.members]
             if not members[0].requires_grad:
@@ -194,13 +227,17 @@ class ParamGroup:
             reduce_dtype = self.reduce_dtype(members[0])
             plan = plan_reduce(
                 bucket,
-                tuple(p.layout for p in self.params),
+                layouts,
                 grad_dtype_is_reduce_dtype=all(g.dtype == reduce_dtype for g in present),
                 grads_contiguous=all(g.is_contiguous() for g in present),
                 reduce_dtype_is_param_dtype=reduce_dtype == members[0].stored_dtype,
+                all_reduce=self.all_reduce,
             )
             pending.append(
-                reduce_bucket(bucket, plan, members, grads, reduce_dtype, self.process_group, divide, self.labels[index])
+                reduce_bucket(
+                    bucket, plan, members, grads, reduce_dtype, self.process_group, divide, self.labels[index],
+                    all_reduce=self.all_reduce,
+                )
             )
         return pending
 

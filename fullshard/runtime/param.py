@@ -14,7 +14,7 @@ from typing import Optional
 
 import torch
 import torch.nn as nn
-from torch.distributed.tensor import DeviceMesh, DTensor, Shard
+from torch.distributed.tensor import DeviceMesh, DTensor, Replicate, Shard
 
 from fullshard.buffers import Owned
 from fullshard.plan import ShardLayout, stores_padded_chunk
@@ -41,13 +41,17 @@ class ShardedParam:
         rank: int,
         device: torch.device,
         compute_dtype: Optional[torch.dtype],
+        replicated: bool = False,
     ) -> None:
         self.local_fqn = fqn  # relative to the module fully_shard was applied to
         self.fqn = fqn  # from the root, once the root is known (ParamGroup.rename)
         self.owners = owners
         self.layout = layout
         self.mesh = mesh
-        self.rank = rank
+        # no_shard keeps a full replica per rank: a layout over a world of one,
+        # shown as a Replicate() DTensor.
+        self.placement = Replicate() if replicated else Shard(layout.dim)
+        self.rank = 0 if replicated else rank
         self.device = device
         self.requires_grad = param.requires_grad
         self.stored_dtype = param.dtype
@@ -92,7 +96,7 @@ class ShardedParam:
         dtensor = DTensor.from_local(
             local,
             self.mesh,
-            [Shard(layout.dim)],
+            [self.placement],
             run_check=False,
             shape=torch.Size(layout.shape),
             stride=_contiguous_stride(layout.shape),
@@ -139,7 +143,7 @@ class ShardedParam:
         self.sharded.grad = DTensor.from_local(
             local_grad,
             self.mesh,
-            [Shard(self.layout.dim)],
+            [self.placement],
             run_check=False,
             shape=torch.Size(self.layout.shape),
             stride=_contiguous_stride(self.layout.shape),

@@ -24,6 +24,7 @@ import torch.nn as nn
 from torch.autograd import Variable
 from torch.utils._pytree import tree_flatten, tree_map
 
+from fullshard.plan.strategy import Lifecycle, Strategy, lifecycle
 from fullshard.policies import MixedPrecisionPolicy
 from fullshard.runtime.collectives import PendingReduce
 from fullshard.runtime.group import ParamGroup
@@ -46,11 +47,14 @@ class ShardState:
         group: Optional[ParamGroup],
         mp_policy: MixedPrecisionPolicy,
         reshard_after_forward: Optional[bool],
+        strategy: Strategy,
     ) -> None:
         self.modules = modules
         self.group = group
         self.mp_policy = mp_policy
+        self.strategy = strategy
         self._reshard_after_forward = reshard_after_forward
+        self.requires_all_reduce = True
         self.is_root: Optional[bool] = None
         self.root: Optional[ShardState] = None
         self.subtree: list[ShardState] = []  # root only: every state under it, in module order
@@ -68,10 +72,12 @@ class ShardState:
             module.register_forward_hook(self._post_forward, prepend=False, always_call=True)
 
     @property
+    def lifecycle(self) -> Lifecycle:
+        return lifecycle(self.strategy, bool(self.is_root), self._reshard_after_forward)
+
+    @property
     def reshard_after_forward(self) -> bool:
-        if self._reshard_after_forward is None:
-            return not self.is_root
-        return self._reshard_after_forward
+        return self.lifecycle.reshard_after_forward
 
     @reshard_after_forward.setter
     def reshard_after_forward(self, value: bool) -> None:
@@ -170,7 +176,7 @@ class ShardState:
     def _finish_group_backward(self, group: ParamGroup) -> None:
         group.backward_done = True
         root = self.root or self
-        if group.reduce_grads:
+        if group.reduce_grads and not self.lifecycle.reduce_at_end_of_backward:
             # Keep at most one bucket set in flight: finishing the previous
             # reductions here bounds memory and overlaps them with this backward.
             root._finish_reduces()
@@ -188,10 +194,13 @@ class ShardState:
     def _end_of_backward(self) -> None:
         for state in self.subtree:
             group = state.group
-            if group is None:
-                continue
-            if group.has_unfinished_grads:
+            if group is not None and group.has_unfinished_grads:
                 state._finish_group_backward(group)
+        # ZeRO-1 reduces every group once, here, in the same order on every rank.
+        for state in reversed(self.subtree):
+            group = state.group
+            if group is not None and group.reduce_grads and state.lifecycle.reduce_at_end_of_backward:
+                self._pending_reduces.extend(group.reduce())
         self._finish_reduces()
         for state in self.subtree:
             group = state.group
@@ -199,6 +208,8 @@ class ShardState:
                 continue
             if group.reshard_after_backward:
                 group.reshard()
+            elif group.reduce_grads and group.backward_done:
+                group.mark_stale()  # the optimizer will change the shards: gather again next forward
             group.reset_backward()
         self._final_callback_queued = False
 

@@ -1,0 +1,135 @@
+"""Sharding strategies by name, as lifecycle flags, with their memory and traffic (pure).
+
+The names are those of Megatron-FSDP's ``data_parallel_sharding_strategy``
+(and of the seed's configuration). Each one is a set of flags on the same
+runtime:
+
+=====================  ==============  =================  ==================  ===================
+strategy               stored params   reshard after fwd  reshard after bwd   gradient reduction
+=====================  ==============  =================  ==================  ===================
+no_shard (DDP)         replicated      no (never gathered) no                  all-reduce, per group
+optim (ZeRO-1)         sharded         no                 no (kept, refreshed) reduce-scatter, once at end of backward
+optim_grads (ZeRO-2)   sharded         no                 no (kept, refreshed) reduce-scatter, per group
+optim_grads_params     sharded         yes (not root)     yes                 reduce-scatter, per group
+=====================  ==============  =================  ==================  ===================
+
+"Kept, refreshed": the unsharded parameters stay allocated across steps and
+are all-gathered again (into the same storage) in the first forward after a
+synced backward, since the optimizer changed the shards in between.
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Optional
+
+
+class Strategy(enum.Enum):
+    NO_SHARD = "no_shard"
+    OPTIM = "optim"
+    OPTIM_GRADS = "optim_grads"
+    OPTIM_GRADS_PARAMS = "optim_grads_params"
+
+    @classmethod
+    def parse(cls, name: "str | Strategy") -> "Strategy":
+        if isinstance(name, Strategy):
+            return name
+        try:
+            return cls(name)
+        except ValueError:
+            names = ", ".join(repr(s.value) for s in cls)
+            raise ValueError(f"unknown strategy {name!r}; choose one of {names}") from None
+
+
+@dataclass(frozen=True)
+class Lifecycle:
+    shard_params: bool
+    reshard_after_forward: bool
+    reshard_after_backward: bool
+    all_reduce: bool  # True: all-reduce full gradients (replicated); False: reduce-scatter
+    reduce_at_end_of_backward: bool  # True: one reduction pass after the whole backward (ZeRO-1)
+
+
+def lifecycle(strategy: Strategy, is_root: bool, reshard_after_forward: Optional[bool] = None) -> Lifecycle:
+    """The flags of ``strategy``; an explicit ``reshard_after_forward`` (FSDP2's argument) wins."""
+    if strategy is Strategy.NO_SHARD:
+        return Lifecycle(False, False, False, True, False)
+    if strategy is Strategy.OPTIM_GRADS_PARAMS:
+        after_forward = (not is_root) if reshard_after_forward is None else reshard_after_forward
+        return Lifecycle(True, after_forward, True, False, False)
+    after_forward = False if reshard_after_forward is None else reshard_after_forward
+    return Lifecycle(True, after_forward, False, False, strategy is Strategy.OPTIM)
+
+
+def state_bytes_per_param(
+    strategy: Strategy, world: int, param_bytes: int = 4, grad_bytes: int = 4, optim_bytes: int = 8
+) -> float:
+    """Bytes per parameter each rank holds in parameters + gradients + optimizer state (ZeRO's formulas).
+
+    Adam in fp32: ``param_bytes=4, grad_bytes=4, optim_bytes=8`` gives 16 (replicated),
+    8 + 8/N (ZeRO-1), 4 + 12/N (ZeRO-2) and 16/N (ZeRO-3). The unsharded
+    working copy of the largest unit in flight comes on top (see
+    :func:`peak_state_bytes`).
+    """
+    p, g, o, n = param_bytes, grad_bytes, optim_bytes, world
+    return {
+        Strategy.NO_SHARD: p + g + o,
+        Strategy.OPTIM: p + g + o / n,
+        Strategy.OPTIM_GRADS: p + (g + o) / n,
+        Strategy.OPTIM_GRADS_PARAMS: (p + g + o) / n,
+    }[strategy]
+
+
+def peak_state_bytes(
+    strategy: Strategy,
+    world: int,
+    num_params: int,
+    largest_unit_params: int,
+    param_bytes: int = 4,
+    grad_bytes: int = 4,
+    optim_bytes: int = 8,
+    compute_bytes: Optional[int] = None,
+) -> dict[str, float]:
+    """Per-rank bytes for parameters, gradients, optimizer state and the largest unsharded unit."""
+    n = world
+    compute = param_bytes if compute_bytes is None else compute_bytes
+    sharded = strategy is not Strategy.NO_SHARD
+    params = num_params * param_bytes / (n if sharded else 1)
+    grads = num_params * grad_bytes / (n if strategy in (Strategy.OPTIM_GRADS, Strategy.OPTIM_GRADS_PARAMS) else 1)
+    optim = num_params * optim_bytes / (n if sharded else 1)
+    if strategy is Strategy.OPTIM_GRADS_PARAMS:
+        # one unit's unsharded parameters and gradients in flight
+        unit = largest_unit_params * (compute + grad_bytes)
+    elif sharded:
+        # the whole model's unsharded parameters are kept (ZeRO-1/2)
+        unit = num_params * compute
+    else:
+        unit = 0.0
+    return {"params": params, "grads": grads, "optim": optim, "unsharded": unit, "total": params + grads + optim + unit}
+
+
+def traffic_bytes_per_step(
+    strategy: Strategy,
+    world: int,
+    num_params: int,
+    root_params: int = 0,
+    gather_bytes: int = 4,
+    reduce_bytes: int = 4,
+) -> dict[str, float]:
+    """Bytes of collective payload per rank per step (the size of each collective's full buffer).
+
+    ZeRO-3 gathers every non-root unit twice (forward and backward) and the
+    root once (it is not resharded after forward); ZeRO-1/2 gather once;
+    all strategies but ``no_shard`` reduce-scatter once and ``no_shard``
+    all-reduces once. With one rank nothing moves.
+    """
+    if world == 1:
+        return {"all_gather": 0.0, "reduce_scatter": 0.0, "all_reduce": 0.0}
+    if strategy is Strategy.NO_SHARD:
+        return {"all_gather": 0.0, "reduce_scatter": 0.0, "all_reduce": float(num_params * reduce_bytes)}
+    gathers = num_params + (num_params - root_params if strategy is Strategy.OPTIM_GRADS_PARAMS else 0)
+    return {
+        "all_gather": float(gathers * gather_bytes),
+        "reduce_scatter": float(num_params * reduce_bytes),
+        "all_reduce": 0.0,
+    }

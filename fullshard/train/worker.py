@@ -1,0 +1,216 @@
+"""The training loop of ``fullshard train``: one process per rank, and the single-process reference.
+
+Everything a step consumes is a function of (seed, step): the global batch,
+the initial weights, and (on resume) the checkpointed model and optimizer
+state. That is what makes ``--verify`` and ``--resume`` exact.
+"""
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import resource
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from fullshard.models.gpt import GPT, MODEL_SIZES
+from fullshard.train.data import ByteCorpus
+from fullshard.train.progress import Progress
+
+EVAL_BATCHES = 4
+
+
+@dataclass
+class TrainConfig:
+    model: str = "small"
+    strategy: str = "optim_grads_params"
+    mixed_precision: str = "fp32"
+    grad_accum: int = 1
+    steps: int = 200
+    batch_size: int = 16
+    lr: float = 3e-3
+    seed: int = 0
+    data: Optional[list[str]] = None
+    checkpoint_dir: Optional[str] = None
+    checkpoint_every: int = 0
+    resume: bool = False
+    out_dir: str = "runs/latest"
+    device: str = "cpu"
+    timeout_s: int = 600
+
+
+@dataclass
+class RankResult:
+    rank: int
+    world: int
+    losses: dict[int, float] = field(default_factory=dict)  # step -> global mean loss
+    val_loss: float = float("nan")
+    tokens_per_s: float = 0.0
+    peak_rss_bytes: int = 0
+    param_bytes: int = 0
+    grad_bytes: int = 0
+    optim_bytes: int = 0
+    start_step: int = 0
+
+
+def build_model(cfg: TrainConfig) -> GPT:
+    torch.manual_seed(cfg.seed)  # the same full initial weights at every world size
+    return GPT(MODEL_SIZES[cfg.model])
+
+
+def make_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.1)
+
+
+def shard(model: GPT, cfg: TrainConfig) -> GPT:
+    from fullshard import MixedPrecisionPolicy, fully_shard
+
+    mp = MixedPrecisionPolicy()
+    if cfg.mixed_precision == "bf16":
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for layer in model.layers:
+        fully_shard(layer, mp_policy=mp, strategy=cfg.strategy)
+    fully_shard(model, mp_policy=mp, strategy=cfg.strategy)
+    return model
+
+
+def _local_bytes(tensors) -> int:
+    total = 0
+    for t in tensors:
+        t = t.to_local() if hasattr(t, "to_local") else t
+        total += t.numel() * t.element_size()
+    return total
+
+
+def _checkpoint_state(model, optimizer):
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    return {"model": model_sd, "optim": optim_sd}
+
+
+def save_checkpoint(cfg: TrainConfig, model, optimizer, step: int) -> None:
+    from fullshard.checkpoint import save_atomic
+
+    save_atomic(_checkpoint_state(model, optimizer), Path(cfg.checkpoint_dir), step)
+
+
+def load_checkpoint(cfg: TrainConfig, model, optimizer) -> int:
+    from torch.distributed.checkpoint.state_dict import set_state_dict
+
+    from fullshard.checkpoint import latest_step, load_into
+
+    step = latest_step(Path(cfg.checkpoint_dir))
+    if step is None:
+        raise FileNotFoundError(f"--resume: no complete checkpoint under {cfg.checkpoint_dir}")
+    state = _checkpoint_state(model, optimizer)
+    load_into(state, Path(cfg.checkpoint_dir), step)
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    return step
+
+
+def run_rank(cfg: TrainConfig) -> dict:
+    """Train on this rank of an initialized process group; returns a JSON-able RankResult."""
+    torch.set_num_threads(1)
+    if not dist.is_initialized():
+        backend = "nccl" if cfg.device == "cuda" else "gloo"
+        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=cfg.timeout_s))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if cfg.device == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    device = torch.device(cfg.device, torch.cuda.current_device()) if cfg.device == "cuda" else torch.device("cpu")
+    corpus = ByteCorpus.load(cfg.data)
+    seq_len = MODEL_SIZES[cfg.model].seq_len
+    model = shard(build_model(cfg), cfg)
+    optimizer = make_optimizer(model, cfg)
+    result = RankResult(rank, world)
+    start = load_checkpoint(cfg, model, optimizer) if cfg.resume else 0
+    result.start_step = start
+    micro = cfg.batch_size // world // cfg.grad_accum
+    progress = Progress(cfg.steps, start, enabled=rank == 0)
+    tokens_done, timed = 0, 0.0
+    for step in range(start, cfg.steps):
+        began = time.perf_counter()
+        tokens, targets = (t.chunk(world)[rank].to(device) for t in corpus.batch("train", cfg.seed, step, cfg.batch_size, seq_len))
+        total = torch.zeros((), device=device)
+        for index in range(cfg.grad_accum):
+            model.set_requires_gradient_sync(index == cfg.grad_accum - 1)
+            part = slice(index * micro, (index + 1) * micro)
+            loss = model.loss(tokens[part], targets[part]) / cfg.grad_accum
+            loss.backward()
+            total += loss.detach()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        if step == cfg.steps - 1 or step == start:
+            result.grad_bytes = _local_bytes(p.grad for p in model.parameters() if p.grad is not None)
+        optimizer.zero_grad(set_to_none=True)
+        dist.all_reduce(total)
+        loss_value = total.item() / world
+        result.losses[step] = loss_value
+        if step > start:  # the first step pays for warm-up (lazy init, allocator)
+            timed += time.perf_counter() - began
+            tokens_done += cfg.batch_size * seq_len
+        progress.update(step, loss_value, tokens_done / timed if timed else 0.0, _peak_rss())
+        if cfg.checkpoint_dir and cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0:
+            save_checkpoint(cfg, model, optimizer, step + 1)
+    progress.close()
+    result.val_loss = evaluate(model, corpus, cfg, rank, world, device)
+    result.tokens_per_s = tokens_done / timed if timed else 0.0
+    result.param_bytes = _local_bytes(model.parameters())
+    result.optim_bytes = _local_bytes(v for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v))
+    result.peak_rss_bytes = _peak_rss()
+    return asdict(result)
+
+
+@torch.no_grad()
+def evaluate(model, corpus: ByteCorpus, cfg: TrainConfig, rank: int, world: int, device) -> float:
+    seq_len = MODEL_SIZES[cfg.model].seq_len
+    total = torch.zeros((), device=device)
+    for index in range(EVAL_BATCHES):
+        tokens, targets = corpus.batch("val", cfg.seed, index, max(world, cfg.batch_size), seq_len)
+        total += model.loss(tokens.chunk(world)[rank].to(device), targets.chunk(world)[rank].to(device))
+    dist.all_reduce(total)
+    return total.item() / world / EVAL_BATCHES
+
+
+def reference_losses(cfg: TrainConfig, steps: range) -> dict[int, float]:
+    """Single-process training on the same global batches: what the sharded run must match."""
+    torch.set_num_threads(max(1, torch.get_num_threads()))
+    corpus = ByteCorpus.load(cfg.data)
+    seq_len = MODEL_SIZES[cfg.model].seq_len
+    model = build_model(cfg)
+    optimizer = make_optimizer(model, cfg)
+    losses = {}
+    for step in steps:
+        tokens, targets = corpus.batch("train", cfg.seed, step, cfg.batch_size, seq_len)
+        if cfg.mixed_precision == "bf16":
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = model.loss(tokens, targets)
+        else:
+            loss = model.loss(tokens, targets)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses[step] = loss.item()
+    return losses
+
+
+def _peak_rss() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def worker_entry(cfg_json: str) -> dict:
+    """Entry point of each process started by the elastic launcher."""
+    cfg = TrainConfig(**json.loads(cfg_json))
+    try:
+        return run_rank(cfg)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
