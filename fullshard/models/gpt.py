@@ -38,7 +38,9 @@ class CausalSelfAttention(nn.Module):
         if cfg.d_model % cfg.n_heads:
             raise ValueError(f"d_model={cfg.d_model} must be divisible by n_heads={cfg.n_heads}")
         self.n_heads = cfg.n_heads
-        self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model)
+        # No bias: a key bias gets an exactly-zero gradient (softmax ignores it), which
+        # Adam would turn from rounding noise into full-size steps.
+        self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model, bias=False)
         self.proj = nn.Linear(cfg.d_model, cfg.d_model)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import math
 import os
 import resource
 import time
@@ -20,6 +21,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from fullshard.models.gpt import GPT, MODEL_SIZES
+from fullshard.runtime.collectives import traffic
 from fullshard.train.data import ByteCorpus
 from fullshard.train.progress import Progress
 
@@ -32,7 +34,7 @@ class TrainConfig:
     strategy: str = "optim_grads_params"
     mixed_precision: str = "fp32"
     grad_accum: int = 1
-    steps: int = 200
+    steps: int = 300
     batch_size: int = 16
     lr: float = 3e-3
     seed: int = 0
@@ -57,6 +59,7 @@ class RankResult:
     grad_bytes: int = 0
     optim_bytes: int = 0
     start_step: int = 0
+    traffic: dict[str, int] = field(default_factory=dict)  # collective bytes of the last step
 
 
 def build_model(cfg: TrainConfig) -> GPT:
@@ -78,6 +81,15 @@ def shard(model: GPT, cfg: TrainConfig) -> GPT:
         fully_shard(layer, mp_policy=mp, strategy=cfg.strategy)
     fully_shard(model, mp_policy=mp, strategy=cfg.strategy)
     return model
+
+
+def set_learning_rate(optimizer: torch.optim.Optimizer, cfg: TrainConfig, step: int) -> None:
+    """Linear warm-up then cosine decay to 10%: a pure function of the step, so resuming needs no state."""
+    warmup = max(1, cfg.steps // 20)
+    progress = min(1.0, max(0.0, (step - warmup) / max(1, cfg.steps - warmup)))
+    scale = (step + 1) / warmup if step < warmup else 0.1 + 0.45 * (1 + math.cos(math.pi * progress))
+    for group in optimizer.param_groups:
+        group["lr"] = cfg.lr * scale
 
 
 def _local_bytes(tensors) -> int:
@@ -116,7 +128,7 @@ def load_checkpoint(cfg: TrainConfig, model, optimizer) -> int:
 
 
 def run_rank(cfg: TrainConfig) -> dict:
-    """Train on this rank of an initialized process group; returns a JSON-able RankResult."""
+    """Train on this rank (initializing the process group if needed); returns every rank's RankResult."""
     torch.set_num_threads(1)
     if not dist.is_initialized():
         backend = "nccl" if cfg.device == "cuda" else "gloo"
@@ -137,6 +149,8 @@ def run_rank(cfg: TrainConfig) -> dict:
     tokens_done, timed = 0, 0.0
     for step in range(start, cfg.steps):
         began = time.perf_counter()
+        traffic.clear()
+        set_learning_rate(optimizer, cfg, step)
         tokens, targets = (t.chunk(world)[rank].to(device) for t in corpus.batch("train", cfg.seed, step, cfg.batch_size, seq_len))
         total = torch.zeros((), device=device)
         for index in range(cfg.grad_accum):
@@ -153,6 +167,7 @@ def run_rank(cfg: TrainConfig) -> dict:
         dist.all_reduce(total)
         loss_value = total.item() / world
         result.losses[step] = loss_value
+        result.traffic = dict(traffic)
         if step > start:  # the first step pays for warm-up (lazy init, allocator)
             timed += time.perf_counter() - began
             tokens_done += cfg.batch_size * seq_len
@@ -165,7 +180,9 @@ def run_rank(cfg: TrainConfig) -> dict:
     result.param_bytes = _local_bytes(model.parameters())
     result.optim_bytes = _local_bytes(v for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v))
     result.peak_rss_bytes = _peak_rss()
-    return asdict(result)
+    gathered = [None] * world
+    dist.all_gather_object(gathered, asdict(result))
+    return gathered
 
 
 @torch.no_grad()
@@ -179,15 +196,15 @@ def evaluate(model, corpus: ByteCorpus, cfg: TrainConfig, rank: int, world: int,
     return total.item() / world / EVAL_BATCHES
 
 
-def reference_losses(cfg: TrainConfig, steps: range) -> dict[int, float]:
-    """Single-process training on the same global batches: what the sharded run must match."""
+def reference_losses(cfg: TrainConfig) -> dict[int, float]:
+    """Single-process training on the same global batches (from step 0): what the sharded run must match."""
     torch.set_num_threads(max(1, torch.get_num_threads()))
     corpus = ByteCorpus.load(cfg.data)
     seq_len = MODEL_SIZES[cfg.model].seq_len
     model = build_model(cfg)
     optimizer = make_optimizer(model, cfg)
     losses = {}
-    for step in steps:
+    for step in range(cfg.steps):
         tokens, targets = corpus.batch("train", cfg.seed, step, cfg.batch_size, seq_len)
         if cfg.mixed_precision == "bf16":
             with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -196,6 +213,7 @@ def reference_losses(cfg: TrainConfig, steps: range) -> dict[int, float]:
             loss = model.loss(tokens, targets)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        set_learning_rate(optimizer, cfg, step)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         losses[step] = loss.item()
@@ -206,7 +224,7 @@ def _peak_rss() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-def worker_entry(cfg_json: str) -> dict:
+def worker_entry(cfg_json: str) -> list[dict]:
     """Entry point of each process started by the elastic launcher."""
     cfg = TrainConfig(**json.loads(cfg_json))
     try:

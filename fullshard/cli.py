@@ -1,0 +1,202 @@
+"""``fullshard`` command line: ``train`` (the main job) and ``estimate`` (will it fit?).
+
+``fullshard train`` starts its worker processes through PyTorch's elastic
+launcher (the machinery behind ``torchrun``). Started by ``torchrun`` itself
+(``RANK`` is set), it trains in the current process instead, so the same
+command runs on several machines:
+
+    torchrun --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d \\
+        --rdzv-endpoint HOST:29500 -m fullshard train --device cuda
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import sys
+import uuid
+from dataclasses import asdict
+from pathlib import Path
+from typing import Optional
+
+from fullshard.plan.strategy import Strategy
+
+STRATEGIES = [s.value for s in Strategy]
+
+
+class UsageError(Exception):
+    """A bad argument: reported as one line, exit status 2, no traceback."""
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="fullshard", description="Fully sharded data parallelism on PyTorch.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    train = sub.add_parser("train", help="train a small GPT on text with N sharded processes")
+    train.add_argument("--nproc", type=int, default=2, help="processes on this machine (default 2)")
+    train.add_argument("--model", default="small", help="tiny | small | medium (default small)")
+    train.add_argument("--strategy", default="optim_grads_params", help=" | ".join(STRATEGIES))
+    train.add_argument("--mixed-precision", default="fp32", help="fp32 | bf16 (bf16 compute, fp32 reduce)")
+    train.add_argument("--grad-accum", type=int, default=1, help="micro-batches per step")
+    train.add_argument("--steps", type=int, default=300)
+    train.add_argument("--batch-size", type=int, default=16, help="global batch (sequences per step)")
+    train.add_argument("--lr", type=float, default=3e-3)
+    train.add_argument("--seed", type=int, default=0)
+    train.add_argument("--data", nargs="+", help="text files or folders (default: this Python's stdlib sources)")
+    train.add_argument("--checkpoint-dir")
+    train.add_argument("--checkpoint-every", type=int, default=0)
+    train.add_argument("--resume", action="store_true", help="continue from the latest checkpoint")
+    train.add_argument("--verify", action="store_true", help="also train a single-process reference and compare")
+    train.add_argument("--device", default="cpu", help="cpu | cuda")
+    train.add_argument("--out", default="runs/latest", help="where the report, data and plot go")
+    train.add_argument("--timeout", type=int, default=600, help="collective timeout in seconds")
+
+    estimate = sub.add_parser("estimate", help="memory and traffic per rank, from the planning code")
+    estimate.add_argument("--params", type=float, help="number of parameters, e.g. 7e9")
+    estimate.add_argument("--model", help="count the parameters of a fullshard GPT size instead")
+    estimate.add_argument("--nproc", type=int, required=True)
+    estimate.add_argument("--strategy", default="optim_grads_params")
+    estimate.add_argument("--mixed-precision", default="fp32")
+    estimate.add_argument("--optimizer", default="adamw", help="adamw | sgd")
+    estimate.add_argument("--largest-unit", type=float, help="parameters of the largest wrapped unit")
+    return parser
+
+
+def _check_common(args) -> None:
+    if args.strategy not in STRATEGIES:
+        raise UsageError(f"unknown --strategy {args.strategy!r}; choose one of {', '.join(STRATEGIES)}")
+    if args.mixed_precision not in ("fp32", "bf16"):
+        raise UsageError(f"unknown --mixed-precision {args.mixed_precision!r}; choose fp32 or bf16")
+    if args.nproc < 1:
+        raise UsageError(f"--nproc must be at least 1, got {args.nproc}")
+
+
+def _train_config(args):
+    from fullshard.models.gpt import MODEL_SIZES
+    from fullshard.train.data import expand_paths
+    from fullshard.train.worker import TrainConfig
+
+    _check_common(args)
+    if args.model not in MODEL_SIZES:
+        raise UsageError(f"unknown --model {args.model!r}; choose one of {', '.join(MODEL_SIZES)}")
+    if args.device not in ("cpu", "cuda"):
+        raise UsageError(f"unknown --device {args.device!r}; choose cpu or cuda")
+    world = int(os.environ.get("WORLD_SIZE", args.nproc))
+    for name in ("steps", "batch_size", "grad_accum"):
+        if getattr(args, name) < 1:
+            raise UsageError(f"--{name.replace('_', '-')} must be at least 1")
+    if args.batch_size % (world * args.grad_accum):
+        raise UsageError(
+            f"--batch-size {args.batch_size} must divide evenly into {world} processes x "
+            f"--grad-accum {args.grad_accum} micro-batches"
+        )
+    if args.data:
+        try:
+            expand_paths(args.data)
+        except FileNotFoundError as error:
+            raise UsageError(str(error)) from None
+    if (args.resume or args.checkpoint_every) and not args.checkpoint_dir:
+        raise UsageError("--resume and --checkpoint-every need --checkpoint-dir")
+    return TrainConfig(
+        model=args.model, strategy=args.strategy, mixed_precision=args.mixed_precision, grad_accum=args.grad_accum,
+        steps=args.steps, batch_size=args.batch_size, lr=args.lr, seed=args.seed, data=args.data,
+        checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every, resume=args.resume,
+        out_dir=args.out, device=args.device, timeout_s=args.timeout,
+    )
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _launch(cfg, nproc: int) -> list[dict]:
+    """Start ``nproc`` local workers with torch's elastic launcher; return every rank's result."""
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    from fullshard.train.worker import worker_entry
+
+    config = LaunchConfig(
+        min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=f"fullshard-{uuid.uuid4().hex[:8]}",
+        rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{_free_port()}", max_restarts=0, monitor_interval=0.5,
+        start_method="spawn",
+    )
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    returned = elastic_launch(config, worker_entry)(json.dumps(asdict(cfg)))
+    return returned[0]
+
+
+def train(args) -> int:
+    cfg = _train_config(args)
+    from fullshard.train.report import format_table, write_report
+    from fullshard.train.worker import reference_losses, worker_entry
+
+    under_torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
+    if under_torchrun:
+        results = worker_entry(json.dumps(asdict(cfg)))
+        if int(os.environ["RANK"]) != 0:
+            return 0
+    else:
+        print(f"fullshard train: {args.nproc} processes, model {cfg.model}, strategy {cfg.strategy}, "
+              f"{cfg.mixed_precision}, {cfg.steps} steps -> {cfg.out_dir}", flush=True)
+        results = _launch(cfg, args.nproc)
+    reference = None
+    if args.verify:
+        print(f"verify: training the single-process reference on the same {cfg.steps} global batches ...", flush=True)
+        reference = reference_losses(cfg)
+    summary = write_report(cfg, results, Path(cfg.out_dir), reference)
+    print(format_table(summary))
+    if reference is not None:
+        tolerance = 5e-2 if cfg.mixed_precision == "bf16" else 1e-3
+        if summary["max_loss_deviation"] > tolerance:
+            print(f"verify FAILED: loss deviates by {summary['max_loss_deviation']:.3g} > {tolerance}", file=sys.stderr)
+            return 1
+        print(f"verify passed (tolerance {tolerance})")
+    return 0
+
+
+def estimate(args) -> int:
+    from fullshard.plan.strategy import peak_state_bytes, traffic_bytes_per_step
+
+    _check_common(args)
+    if args.optimizer not in ("adamw", "sgd"):
+        raise UsageError(f"unknown --optimizer {args.optimizer!r}; choose adamw or sgd")
+    if args.model:
+        from fullshard.models.gpt import GPT, MODEL_SIZES
+
+        if args.model not in MODEL_SIZES:
+            raise UsageError(f"unknown --model {args.model!r}; choose one of {', '.join(MODEL_SIZES)}")
+        model = GPT(MODEL_SIZES[args.model])
+        num_params = sum(p.numel() for p in model.parameters())
+        largest = max(sum(p.numel() for p in layer.parameters()) for layer in model.layers)
+    elif args.params:
+        num_params = int(args.params)
+        largest = int(args.largest_unit) if args.largest_unit else max(1, num_params // 32)
+    else:
+        raise UsageError("give --params N or --model NAME")
+    strategy = Strategy.parse(args.strategy)
+    compute = 2 if args.mixed_precision == "bf16" else 4
+    optim = 8 if args.optimizer == "adamw" else 0
+    memory = peak_state_bytes(strategy, args.nproc, num_params, largest, 4, 4, optim, compute_bytes=compute)
+    traffic = traffic_bytes_per_step(strategy, args.nproc, num_params, gather_bytes=compute, reduce_bytes=4)
+    gib = 2**30
+    print(f"{num_params / 1e9:.3f}B parameters, {args.nproc} ranks, {strategy.value}, {args.mixed_precision}, {args.optimizer}")
+    print("per rank:")
+    for key in ("params", "grads", "optim", "unsharded", "total"):
+        print(f"  {key:<16}{memory[key] / gib:10.2f} GiB")
+    print("bytes moved per step per rank:")
+    for key, value in traffic.items():
+        if value:
+            print(f"  {key:<16}{value / gib:10.2f} GiB")
+    return 0
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        return {"train": train, "estimate": estimate}[args.command](args)
+    except UsageError as error:
+        print(f"fullshard {args.command}: error: {error}", file=sys.stderr)
+        return 2

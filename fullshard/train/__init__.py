@@ -1,0 +1,1 @@
+"""The main job: sharded training of a small GPT on text (``fullshard train``)."""

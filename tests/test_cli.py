@@ -1,0 +1,96 @@
+"""The main job end to end (issue 6): fullshard train / estimate as a user runs them."""
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from fullshard.plan.strategy import Strategy, peak_state_bytes
+
+ROOT = Path(__file__).resolve().parent.parent
+TINY = ["--model", "tiny", "--batch-size", "4", "--nproc", "2"]
+
+
+def fullshard(*args, timeout=300):
+    return subprocess.run(
+        [sys.executable, "-m", "fullshard", *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout
+    )
+
+
+@pytest.fixture(scope="module")
+def checkpointed_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("run")
+    proc = fullshard("train", *TINY, "--steps", "20", "--verify", "--checkpoint-dir", str(out / "ckpt"),
+                     "--checkpoint-every", "10", "--out", str(out / "report"))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return out, proc
+
+
+def test_train_writes_report_plot_and_data(checkpointed_run):
+    out, proc = checkpointed_run
+    report = json.loads((out / "report" / "report.json").read_text())
+    assert report["steps"] == list(range(20)) and len(report["train_loss"]) == 20
+    assert report["train_loss"][-1] < report["train_loss"][0]
+    png = (out / "report" / "report.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
+    csv_lines = (out / "report" / "losses.csv").read_text().splitlines()
+    assert csv_lines[0] == "step,train_loss,reference_loss" and len(csv_lines) == 21
+    assert "report.png" in proc.stdout and "verify passed" in proc.stdout
+
+
+def test_verify_matches_single_process_reference(checkpointed_run):
+    out, _ = checkpointed_run
+    report = json.loads((out / "report" / "report.json").read_text())
+    assert report["max_loss_deviation"] < 1e-4
+
+
+def test_report_memory_and_traffic_match_the_planning_code(checkpointed_run):
+    out, _ = checkpointed_run
+    report = json.loads((out / "report" / "report.json").read_text())
+    theory = report["theory"]
+    expected = peak_state_bytes(Strategy.OPTIM_GRADS_PARAMS, 2, theory["num_params"], 1)
+    held = sum(r["param_bytes"] + r["grad_bytes"] + r["optim_bytes"] for r in report["ranks"]) / 2
+    formula = expected["params"] + expected["grads"] + expected["optim"]
+    assert abs(held - formula) / formula < 0.05  # measured within 5% of the formula
+    for kind in ("all_gather", "reduce_scatter"):
+        measured = report["ranks"][0]["traffic"][kind]
+        assert abs(measured - theory["traffic"][kind]) / theory["traffic"][kind] < 0.05, kind
+
+
+def test_resume_reproduces_the_uninterrupted_run(checkpointed_run, tmp_path):
+    out, _ = checkpointed_run
+    full = json.loads((out / "report" / "report.json").read_text())
+    # keep only the step-10 checkpoint, as if the run had stopped there
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(out / "ckpt" / "step_10", ckpt / "step_10")
+    proc = fullshard("train", *TINY, "--steps", "20", "--resume", "--checkpoint-dir", str(ckpt),
+                     "--out", str(tmp_path / "report"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    resumed = json.loads((tmp_path / "report" / "report.json").read_text())
+    assert resumed["steps"] == list(range(10, 20))
+    assert resumed["train_loss"] == full["train_loss"][10:]  # bit for bit
+
+
+@pytest.mark.parametrize("args, message", [
+    (["train", "--strategy", "zero9"], "unknown --strategy 'zero9'"),
+    (["train", "--nproc", "0"], "--nproc must be at least 1"),
+    (["train", "--data", "/no/such/path"], "/no/such/path does not exist"),
+    (["train", "--batch-size", "6", "--grad-accum", "4"], "must divide evenly"),
+    (["estimate", "--nproc", "8", "--strategy", "zero9", "--params", "1e9"], "unknown --strategy"),
+])
+def test_bad_arguments_give_one_clear_line(args, message):
+    proc = fullshard(*args, timeout=60)
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0] and "Traceback" not in proc.stderr
+
+
+def test_estimate_prints_the_planning_formulas():
+    proc = fullshard("estimate", "--params", "7e9", "--nproc", "64", "--strategy", "optim_grads_params",
+                     "--mixed-precision", "bf16", "--optimizer", "adamw", timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    expected = peak_state_bytes(Strategy.OPTIM_GRADS_PARAMS, 64, 7_000_000_000, 7_000_000_000 // 32, compute_bytes=2)
+    assert f"{expected['optim'] / 2**30:10.2f} GiB" in proc.stdout
+    assert f"{expected['total'] / 2**30:10.2f} GiB" in proc.stdout
