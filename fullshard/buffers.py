@@ -104,15 +104,39 @@ def live_owned_buffers() -> int:
     return len(_SANITIZER.owned)
 
 
+class _ByteMeter:
+    """Bytes of owned communication storage alive now, and the peak since the last reset (always on)."""
+
+    live = 0
+    peak = 0
+
+    @classmethod
+    def add(cls, nbytes: int) -> None:
+        cls.live += nbytes
+        if cls.live > cls.peak:
+            cls.peak = cls.live
+
+
+def comm_bytes() -> dict[str, int]:
+    """``{"live": ..., "peak": ...}`` bytes of fullshard-owned communication storage."""
+    return {"live": _ByteMeter.live, "peak": _ByteMeter.peak}
+
+
+def reset_peak_comm_bytes() -> None:
+    _ByteMeter.peak = _ByteMeter.live
+
+
 class Owned:
     """Storage fullshard allocated: it may write, reclaim and regrow it."""
 
-    __slots__ = ("tensor", "what", "_nbytes", "__weakref__")
+    __slots__ = ("tensor", "what", "_nbytes", "_counted", "__weakref__")
 
     def __init__(self, tensor: torch.Tensor, what: str) -> None:
         self.tensor = tensor
         self.what = what
         self._nbytes = tensor.untyped_storage().nbytes()
+        self._counted = self._nbytes
+        _ByteMeter.add(self._nbytes)
         if _SANITIZER.enabled:
             _SANITIZER.on_owned(tensor, what)
             weakref.finalize(self, _SANITIZER.on_disowned, _storage_key(tensor), what)
@@ -136,6 +160,8 @@ class Owned:
         if _SANITIZER.enabled:
             _SANITIZER.check_mutation(self.tensor, self.what, "free (resize to 0)")
         self.tensor.untyped_storage().resize_(0)
+        _ByteMeter.add(-self._counted)
+        self._counted = 0
 
     def regrow(self) -> None:
         """Give reclaimed storage its bytes back (contents undefined)."""
@@ -144,13 +170,21 @@ class Owned:
         storage = self.tensor.untyped_storage()
         if storage.nbytes() != self._nbytes:
             storage.resize_(self._nbytes)
+            _ByteMeter.add(self._nbytes - self._counted)
+            self._counted = self._nbytes
 
     def hand_off(self) -> torch.Tensor:
         """Give the storage away (e.g. as a ``.grad``): fullshard never frees it again."""
         if _SANITIZER.enabled:
             _SANITIZER.on_disowned(_storage_key(self.tensor), self.what)
+        _ByteMeter.add(-self._counted)
+        self._counted = 0
         tensor, self.tensor = self.tensor, None
         return tensor
+
+    def __del__(self) -> None:
+        # Dropped without reclaim: the storage goes with the last reference.
+        _ByteMeter.add(-self._counted)
 
 
 class Borrowed:

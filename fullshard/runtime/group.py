@@ -7,6 +7,7 @@ after backward. Which buffers are owned comes from ``fullshard.plan``.
 from __future__ import annotations
 
 import enum
+import weakref
 from typing import Optional
 
 import torch
@@ -155,7 +156,17 @@ class ParamGroup:
     def _make_unsharded(self, param: ShardedParam, data: torch.Tensor) -> None:
         param.unsharded = nn.Parameter(data, requires_grad=param.requires_grad)
         if param.requires_grad:
-            self._hooks.append(param.unsharded.register_post_accumulate_grad_hook(self._on_grad_accumulated))
+            # The hook lives in C++ on the tensor, out of reach of Python's cycle
+            # collector: a strong reference back to the group would keep the
+            # whole model alive forever once it is dropped.
+            group_ref = weakref.ref(self)
+
+            def on_grad_accumulated(unsharded: nn.Parameter) -> None:
+                group = group_ref()
+                if group is not None:
+                    group._on_grad_accumulated(unsharded)
+
+            self._hooks.append(param.unsharded.register_post_accumulate_grad_hook(on_grad_accumulated))
 
     def wait_for_unshard(self) -> None:
         if self.state is GroupState.UNSHARDING:

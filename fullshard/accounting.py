@@ -1,0 +1,100 @@
+"""Visible accounting: what each rank holds and moves, next to the planning code's figures.
+
+``memory_report(model, optimizer)`` counts bytes of real tensors (not RSS):
+sharded parameters, gradients (sharded ``.grad`` plus unsharded gradients
+still held, e.g. while accumulating without sync), optimizer state, and the
+communication storage fullshard owns (which includes unsharded parameters
+kept between steps). Traffic is the payload of every collective fullshard
+issued since :func:`reset_traffic`.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn as nn
+
+from fullshard.buffers import comm_bytes, reset_peak_comm_bytes
+from fullshard.plan.strategy import Strategy, peak_state_bytes, traffic_bytes_per_step
+from fullshard.runtime.collectives import traffic
+
+
+def reset_traffic() -> None:
+    """Start counting collective bytes afresh (e.g. at the start of a step)."""
+    traffic.clear()
+
+
+def traffic_bytes() -> dict[str, int]:
+    return {kind: traffic.get(kind, 0) for kind in ("all_gather", "reduce_scatter", "all_reduce")}
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
+
+
+def _nbytes(tensors) -> int:
+    seen, total = set(), 0
+    for tensor in tensors:
+        local = _local(tensor)
+        key = (local.untyped_storage().data_ptr(), local.storage_offset(), local.numel())
+        if key in seen:
+            continue
+        seen.add(key)
+        total += local.numel() * local.element_size()
+    return total
+
+
+def _states(model: nn.Module):
+    seen = set()
+    for module in model.modules():
+        state = getattr(module, "_fullshard_state", None)
+        if state is not None and id(state) not in seen:
+            seen.add(id(state))
+            yield state
+
+
+def memory_report(model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None) -> dict:
+    """Bytes this rank holds and moved, with the theoretical figures for the model's strategy."""
+    states = list(_states(model))
+    params = list(model.parameters())
+    unsharded_grads = [
+        p.unsharded.grad for s in states if s.group is not None for p in s.group.params
+        if p.unsharded is not None and p.unsharded.grad is not None
+    ]
+    measured = {
+        "params": _nbytes(params),
+        "grads": _nbytes([p.grad for p in params if p.grad is not None] + unsharded_grads),
+        "optim": _nbytes(
+            v for s in (optimizer.state.values() if optimizer else ()) for v in s.values()
+            if torch.is_tensor(v) and v.dim() > 0  # Adam's scalar step counters are not state per parameter
+        ),
+        "comm_live": comm_bytes()["live"],
+        "comm_peak": comm_bytes()["peak"],
+    }
+    report = {"measured": measured, "traffic": traffic_bytes()}
+    strategies = {s.strategy for s in states}
+    if len(strategies) == 1 and states and states[0].group is not None:
+        strategy = strategies.pop()
+        world = states[0].group.world
+        num_params = sum(p.numel() for p in params)
+        largest = max(sum(p.layout.numel for p in s.group.params) for s in states if s.group is not None)
+        root = next((s for s in states if s.is_root), states[0])
+        root_params = sum(p.layout.numel for p in root.group.params) if root.group is not None else 0
+        sample = states[0].group.params[0]
+        param_bytes = torch.empty((), dtype=sample.stored_dtype).element_size()
+        compute_bytes = torch.empty((), dtype=sample.compute_dtype).element_size()
+        optim_bytes = 2 * param_bytes if isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)) else 0
+        report["strategy"] = strategy.value
+        report["theory"] = {
+            "memory": peak_state_bytes(
+                strategy, world, num_params, largest, param_bytes, param_bytes, optim_bytes, compute_bytes
+            ),
+            "traffic": traffic_bytes_per_step(
+                strategy, world, num_params, root_params, compute_bytes,
+                torch.empty((), dtype=states[0].group.reduce_dtype(sample)).element_size(),
+            ),
+        }
+    return report
+
+
+__all__ = ["memory_report", "reset_traffic", "traffic_bytes", "reset_peak_comm_bytes", "Strategy"]
