@@ -1,7 +1,10 @@
 """Strategy scenarios (issue 3): every strategy x precision x accumulation against the reference."""
 from __future__ import annotations
 
+import copy
 import itertools
+
+import torch.distributed as dist
 
 import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard
@@ -9,7 +12,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from fullshard import MixedPrecisionPolicy
 from fullshard.plan.strategy import Strategy
 from fullshard.runtime.collectives import traffic
-from tests.parity import build_gpt, mesh_1d, run_parity, shard_blocks_then_root
+from tests.parity import build_gpt, gpt_batch, gpt_loss, mesh_1d, run_parity, shard_blocks_then_root
 
 PRECISIONS = {
     "fp32": (MixedPrecisionPolicy(), dict(rtol=1e-5, atol=1e-6, param_atol=1e-5)),
@@ -66,9 +69,66 @@ def collectives_follow_strategy():
     return counts
 
 
+def fp32_accumulation_of_bf16_grads():
+    """bf16 compute, fp32 reduce, 4 micro-batches without sync: gradients are summed in fp32."""
+    mesh = mesh_1d()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    model = build_gpt()
+    emulator = copy.deepcopy(model).to(torch.bfloat16)  # the bf16 weights the sharded model computes with
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    shard_blocks_then_root(model, mesh=mesh, mp_policy=mp)
+    fp32_sum = [torch.zeros_like(p, dtype=torch.float32) for p in emulator.parameters()]
+    bf16_sum = [torch.zeros_like(p) for p in emulator.parameters()]
+    micro = [tuple(t.chunk(world)[rank].chunk(4)[m] for t in gpt_batch(0, 16)) for m in range(4)]
+    for index, part in enumerate(micro):
+        model.set_requires_gradient_sync(index == 3)
+        gpt_loss(model, part).backward()
+        gpt_loss(emulator, part).backward()
+        for p, acc32, acc16 in zip(emulator.parameters(), fp32_sum, bf16_sum):
+            acc32 += p.grad.float()
+            acc16 += p.grad
+            p.grad = None
+    worst_bf16 = 0.0
+    for (name, param), acc32, acc16 in zip(model.named_parameters(), fp32_sum, bf16_sum):
+        expected = _mean_across_ranks(acc32)
+        assert torch.equal(param.grad.full_tensor(), expected), name
+        worst_bf16 = max(worst_bf16, (_mean_across_ranks(acc16.float()) - expected).abs().max().item())
+    assert worst_bf16 > 1e-5, f"bf16 accumulation should differ measurably, differs by {worst_bf16}"
+    return {"bf16_accumulation_error": worst_bf16}
+
+
+def _mean_across_ranks(tensor):
+    gathered = [torch.empty_like(tensor) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, tensor)
+    total = gathered[0].clone()
+    for other in gathered[1:]:
+        total += other
+    return total / dist.get_world_size()
+
+
+def divide_factor_one_sums_gradients():
+    """set_gradient_divide_factor(1.0) turns the average into a sum (works on gloo: no PREMUL_SUM)."""
+    mesh = mesh_1d()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    averaged = shard_blocks_then_root(build_gpt(), mesh=mesh)
+    torch.manual_seed(0)
+    summed = shard_blocks_then_root(build_gpt(), mesh=mesh)
+    summed.set_gradient_divide_factor(1.0)
+    batch = tuple(t.chunk(world)[rank] for t in gpt_batch(0, 4))
+    gpt_loss(averaged, batch).backward()
+    gpt_loss(summed, batch).backward()
+    for (name, a), s in zip(averaged.named_parameters(), summed.parameters()):
+        torch.testing.assert_close(s.grad.full_tensor(), a.grad.full_tensor() * world, msg=name)
+    return True
+
+
 def suite():
-    scenarios = {"placements_follow_strategy": placements_follow_strategy,
-                 "collectives_follow_strategy": collectives_follow_strategy}
+    scenarios = {fn.__name__: fn for fn in [
+        placements_follow_strategy, collectives_follow_strategy, fp32_accumulation_of_bf16_grads,
+        divide_factor_one_sums_gradients,
+    ]}
     for strategy, precision, micro in itertools.product(Strategy, PRECISIONS, (1, 4)):
         scenarios[f"parity_{strategy.value}_{precision}_accum{micro}"] = _parity(strategy, precision, micro)
     return scenarios

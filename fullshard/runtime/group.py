@@ -159,12 +159,12 @@ class ParamGroup:
             # The hook lives in C++ on the tensor, out of reach of Python's cycle
             # collector: a strong reference back to the group would keep the
             # whole model alive forever once it is dropped.
-            group_ref = weakref.ref(self)
+            group_ref, index = weakref.ref(self), self.params.index(param)
 
-            def on_grad_accumulated(unsharded: nn.Parameter) -> None:
+            def on_grad_accumulated(_unsharded: nn.Parameter) -> None:
                 group = group_ref()
                 if group is not None:
-                    group._on_grad_accumulated(unsharded)
+                    group._on_grad_accumulated(index)
 
             self._hooks.append(param.unsharded.register_post_accumulate_grad_hook(on_grad_accumulated))
 
@@ -206,8 +206,12 @@ class ParamGroup:
             param.refresh_from_module()
 
     # ------------------------------------------------------------------ backward
-    def _on_grad_accumulated(self, unsharded: nn.Parameter) -> None:
-        self._grads_ready.add(id(unsharded))
+    def _on_grad_accumulated(self, index: int) -> None:
+        self._grads_ready.add(index)
+        param = self.params[index]
+        if not self.reduce_grads and param.compute_dtype != self.reduce_dtype(param):
+            # Accumulating without sync: sum in the reduce dtype (e.g. fp32 for bf16 compute).
+            param.accumulate_grad_in(self.reduce_dtype(param), f"gradient accumulator of '{param.fqn}'")
         if self.on_grad_ready is not None:
             self.on_grad_ready(self)
 

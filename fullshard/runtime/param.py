@@ -16,6 +16,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DeviceMesh, DTensor, Replicate, Shard
 
+from fullshard import buffers
 from fullshard.buffers import Owned
 from fullshard.plan import ShardLayout, stores_padded_chunk
 
@@ -65,8 +66,9 @@ class ShardedParam:
         # Set when the unsharded parameter has storage of its own (copy-out path);
         # None when it is a view of its bucket's all-gather output.
         self.unsharded_storage: Optional[Owned] = None
-        # True between a reduce-scatter's issue and its completion for this parameter.
-        self.had_grad = False
+        # Gradients summed across backward passes without sync, in the reduce dtype
+        # when it differs from the compute dtype (owned; see accumulate_grad_in).
+        self.grad_accumulator: Optional[Owned] = None
         with torch.no_grad():
             full = param.detach()
             if full.device != device and full.device.type != "meta":
@@ -150,11 +152,28 @@ class ShardedParam:
         )
 
     def take_unsharded_grad(self) -> Optional[torch.Tensor]:
-        """Take the gradient autograd accumulated on the unsharded parameter (drops autograd's slot)."""
-        if self.unsharded is None:
-            return None
-        grad, self.unsharded.grad = self.unsharded.grad, None
+        """Take the unsharded gradient: autograd's, summed into the accumulator if there is one."""
+        grad = None
+        if self.unsharded is not None:
+            grad, self.unsharded.grad = self.unsharded.grad, None
+        if self.grad_accumulator is not None:
+            if grad is not None:
+                with torch.no_grad():
+                    self.grad_accumulator.writable("accumulate a gradient").add_(grad)
+            # From here on it is just a gradient: fullshard drops it once reduced.
+            grad, self.grad_accumulator = self.grad_accumulator.hand_off(), None
         return grad
+
+    def accumulate_grad_in(self, dtype: torch.dtype, label: str) -> None:
+        """Move autograd's gradient into an owned accumulator of ``dtype`` (accumulation without sync)."""
+        grad, self.unsharded.grad = self.unsharded.grad, None
+        if grad is None:
+            return
+        with torch.no_grad():
+            if self.grad_accumulator is None:
+                self.grad_accumulator = buffers.adopt(grad.to(dtype), label)  # a real cast: allocates
+            else:
+                self.grad_accumulator.writable("accumulate a gradient").add_(grad)
 
     def __repr__(self) -> str:
         return f"ShardedParam({self.fqn}, shape={self.layout.shape}, dim={self.layout.dim})"
