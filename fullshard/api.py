@@ -74,6 +74,7 @@ class FSDPModule:
         for state in self._fullshard_states(recurse):
             if state.group is not None:
                 state.group.reduce_grads = requires_gradient_sync
+                state.group.all_reduce_grads = requires_gradient_sync
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -85,9 +86,11 @@ class FSDPModule:
             self.set_requires_gradient_sync(True)
 
     def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
-        """HSDP only: whether to all-reduce across replicas. A 1-D mesh has no replica all-reduce."""
+        """HSDP: False keeps reduce-scattered partial sums (owned) and skips the replica all-reduce
+        until a backward with True. No effect on a 1-D mesh, which has no replicas."""
         for state in self._fullshard_states(recurse):
-            state.requires_all_reduce = requires_all_reduce
+            if state.group is not None:
+                state.group.all_reduce_grads = requires_all_reduce
 
     def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True) -> None:
         if not isinstance(reshard_after_forward, bool):
@@ -216,14 +219,21 @@ def fully_shard(
             "use True, False or None"
         )
     mesh = mesh if mesh is not None else _default_mesh()
-    if mesh.ndim != 1:
+    if mesh.ndim not in (1, 2):
         raise ValueError(
-            f"fully_shard({name}): mesh must be 1-D (shard), got {mesh.ndim}-D with dims {mesh.mesh_dim_names}"
+            f"fully_shard({name}): mesh must be 1-D (shard) or 2-D (replicate, shard) for HSDP, "
+            f"got {mesh.ndim}-D with dims {mesh.mesh_dim_names}"
+        )
+    if mesh.ndim == 2 and replicated:
+        raise ValueError(
+            f"fully_shard({name}): strategy 'no_shard' replicates over the whole mesh; pass a 1-D mesh"
         )
     device = _mesh_device(mesh)
     if type(offload) is not OffloadPolicy and device.type != "cpu":
         raise NotImplementedError(f"fully_shard({name}): CPU offload to a {device.type} mesh is not implemented yet")
-    rank, world = mesh.get_local_rank(), mesh.size()
+    # The last mesh dim shards; a leading dim (HSDP) replicates and all-reduces gradients.
+    shard_dim = mesh.ndim - 1
+    rank, world = mesh.get_local_rank(shard_dim), mesh.size(shard_dim)
 
     ignored = {id(p) for p in (ignored_params or ())}
     owners, params = _owners_of_params(modules, ignored)
@@ -271,7 +281,8 @@ def fully_shard(
     group = None
     if sharded:
         group = ParamGroup(
-            sharded, mesh.get_group(), mp.reduce_dtype, name,
+            sharded, mesh.get_group(shard_dim), mp.reduce_dtype, name,
+            replicate_group=mesh.get_group(0) if mesh.ndim == 2 else None,
             all_reduce=flags.all_reduce, reshard_after_backward=flags.reshard_after_backward,
         )
     state = ShardState(modules, group, mp, reshard_after_forward, strategy)

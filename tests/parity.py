@@ -89,6 +89,7 @@ def run_parity(
     make_batch: Callable[[int, int], tuple] = gpt_batch,
     loss_fn: Callable[[nn.Module, tuple], torch.Tensor] = gpt_loss,
     micro_batches: int = 1,
+    defer: str = "gradient_sync",
     clip: Optional[float] = None,
     rtol: float = 1e-5,
     atol: float = 1e-6,
@@ -114,8 +115,8 @@ def run_parity(
         total = torch.zeros(())
         for index, part in enumerate(micro):
             last = index == micro_batches - 1
-            if micro_batches > 1:
-                model.set_requires_gradient_sync(last)
+            if micro_batches > 1:  # defer all communication, or (HSDP) only the replica all-reduce
+                getattr(model, f"set_requires_{defer}")(last)
             loss = loss_fn(model, part) / micro_batches
             loss.backward()
             total += loss.detach().float()

@@ -8,7 +8,7 @@ offsets and lengths come from ``fullshard.plan``.
 from __future__ import annotations
 
 from collections import Counter
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -105,7 +105,17 @@ def gather_bucket(
     return PendingGather(work, version_guard, [source], copy_out, bucket, list(params))
 
 
+def all_reduce_in_place(buffer: Owned, group: dist.ProcessGroup) -> None:
+    """Sum an owned buffer across ``group``, synchronously (HSDP's replica all-reduce)."""
+    dist.all_reduce(buffer.writable("all-reduce in place"), op=dist.ReduceOp.SUM, group=group)
+    traffic["all_reduce"] += buffer.nbytes
+
+
 class PendingReduce:
+    # Set for HSDP: called with the reduce-scatter output once it is complete;
+    # returns False when the gradient is kept as a partial sum instead of installed.
+    combine: Optional[Callable[[Owned], bool]] = None
+
     def __init__(self, work, transient: list, output: Owned, bucket, plan, params, grads_present, divide_factor) -> None:
         self.work = work
         self.transient = transient
@@ -119,6 +129,9 @@ class PendingReduce:
     def finish(self) -> None:
         self.work.wait()
         buffers.release_all(self.transient)
+        if self.combine is not None and not self.combine(self.output):
+            self.output = None  # now a partial sum owned by the group
+            return
         with torch.no_grad():
             out = self.output.writable("divide the reduced gradient")
             if self.divide_factor != 1:

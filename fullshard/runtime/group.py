@@ -7,6 +7,7 @@ after backward. Which buffers are owned comes from ``fullshard.plan``.
 from __future__ import annotations
 
 import enum
+import functools
 import weakref
 from typing import Optional
 
@@ -17,7 +18,13 @@ import torch.nn as nn
 from fullshard import buffers
 from fullshard.buffers import Owned
 from fullshard.plan import Unsharded, plan_buckets, plan_gather, plan_reduce
-from fullshard.runtime.collectives import PendingGather, PendingReduce, gather_bucket, reduce_bucket
+from fullshard.runtime.collectives import (
+    PendingGather,
+    PendingReduce,
+    all_reduce_in_place,
+    gather_bucket,
+    reduce_bucket,
+)
 from fullshard.runtime.param import ShardedParam
 
 # Parameters whose per-rank chunk has fewer elements than this share one
@@ -40,6 +47,7 @@ class ParamGroup:
         module_name: str,
         all_reduce: bool = False,
         reshard_after_backward: bool = True,
+        replicate_group: Optional[dist.ProcessGroup] = None,
         fuse_below_numel: Optional[int] = None,
     ) -> None:
         self.params = params
@@ -47,6 +55,13 @@ class ParamGroup:
         self.all_reduce = all_reduce
         self.process_group = process_group
         self.world = dist.get_world_size(process_group)
+        # HSDP: shards are reduce-scattered within process_group, then summed
+        # across the replicas of replicate_group (unless all_reduce_grads is off,
+        # when the partial sums wait in owned buffers for the final micro-batch).
+        self.replicate_group = replicate_group
+        self.replicas = dist.get_world_size(replicate_group) if replicate_group is not None else 1
+        self.all_reduce_grads = True
+        self._partials: dict[int, Owned] = {}
         self.module_name = module_name
         self._reduce_dtype = reduce_dtype
         layouts = tuple(p.layout for p in params)
@@ -229,7 +244,7 @@ class ParamGroup:
     def reduce(self) -> list[PendingReduce]:
         """Start reduce-scatters of the accumulated unsharded gradients; skip buckets with none."""
         pending = []
-        divide = self.divide_factor if self.divide_factor is not None else self.world
+        divide = self.divide_factor if self.divide_factor is not None else self.world * self.replicas
         layouts = tuple(p.layout for p in self.params)
         for index, bucket in enumerate(self.buckets):
             members = [self.params[i] for i in bucket.members]
@@ -248,13 +263,27 @@ class ParamGroup:
                 reduce_dtype_is_param_dtype=reduce_dtype == members[0].stored_dtype,
                 all_reduce=self.all_reduce,
             )
-            pending.append(
-                reduce_bucket(
-                    bucket, plan, members, grads, reduce_dtype, self.process_group, divide, self.labels[index],
-                    all_reduce=self.all_reduce,
-                )
+            reduction = reduce_bucket(
+                bucket, plan, members, grads, reduce_dtype, self.process_group, divide, self.labels[index],
+                all_reduce=self.all_reduce,
             )
+            if self.replicate_group is not None:
+                reduction.combine = functools.partial(self._sum_across_replicas, index)
+            pending.append(reduction)
         return pending
+
+    def _sum_across_replicas(self, index: int, output: Owned) -> bool:
+        """HSDP: add any partial sum, then all-reduce across replicas or keep it for later."""
+        partial = self._partials.pop(index, None)
+        if partial is not None:
+            with torch.no_grad():
+                output.writable("add the partial gradient sum").add_(partial.tensor)
+            partial.reclaim()
+        if not self.all_reduce_grads:
+            self._partials[index] = output
+            return False
+        all_reduce_in_place(output, self.replicate_group)
+        return True
 
     def reset_backward(self) -> None:
         self._grads_ready.clear()

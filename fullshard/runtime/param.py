@@ -50,8 +50,9 @@ class ShardedParam:
         self.layout = layout
         self.mesh = mesh
         # no_shard keeps a full replica per rank: a layout over a world of one,
-        # shown as a Replicate() DTensor.
-        self.placement = Replicate() if replicated else Shard(layout.dim)
+        # shown as a Replicate() DTensor. On a 2-D (HSDP) mesh the leading dim replicates.
+        own = Replicate() if replicated else Shard(layout.dim)
+        self.placements = (Replicate(),) * (mesh.ndim - 1) + (own,)
         self.rank = 0 if replicated else rank
         self.device = device
         self.requires_grad = param.requires_grad
@@ -98,7 +99,7 @@ class ShardedParam:
         dtensor = DTensor.from_local(
             local,
             self.mesh,
-            [self.placement],
+            self.placements,
             run_check=False,
             shape=torch.Size(layout.shape),
             stride=_contiguous_stride(layout.shape),
@@ -145,7 +146,7 @@ class ShardedParam:
         self.sharded.grad = DTensor.from_local(
             local_grad,
             self.mesh,
-            [self.placement],
+            self.placements,
             run_check=False,
             shape=torch.Size(self.layout.shape),
             stride=_contiguous_stride(self.layout.shape),

@@ -54,7 +54,6 @@ class ShardState:
         self.mp_policy = mp_policy
         self.strategy = strategy
         self._reshard_after_forward = reshard_after_forward
-        self.requires_all_reduce = True
         self.is_root: Optional[bool] = None
         self.root: Optional[ShardState] = None
         self.subtree: list[ShardState] = []  # root only: every state under it, in module order
