@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.tensor import Shard
+from torch.distributed.tensor import DTensor, Shard
 
 from fullshard.plan import ShardLayout
 from fullshard.plan.strategy import Strategy, lifecycle
@@ -18,10 +18,21 @@ from fullshard.runtime.group import ParamGroup
 from fullshard.runtime.param import ShardedParam
 from fullshard.runtime.state import ShardState
 
-# Original parameters already taken over by some fully_shard call: a parameter
-# shared with a module outside that call would otherwise be sharded twice and
-# silently untied.
-_MANAGED: "weakref.WeakSet[nn.Parameter]" = weakref.WeakSet()
+# Parameters already taken over by some fully_shard call (the originals and
+# their sharded replacements), by id: a parameter shared with a module outside
+# that call would otherwise be sharded twice and silently untied. (A WeakSet
+# would compare tensors with ==, which is elementwise.)
+_MANAGED: dict[int, weakref.ref] = {}
+
+
+def _is_managed(param: nn.Parameter) -> bool:
+    ref = _MANAGED.get(id(param))
+    return ref is not None and ref() is param
+
+
+def _mark_managed(param: nn.Parameter) -> None:
+    key = id(param)
+    _MANAGED[key] = weakref.ref(param, lambda _ref: _MANAGED.pop(key, None))
 _FSDP_CLASSES: dict[type, type] = {}
 
 
@@ -68,6 +79,16 @@ class FSDPModule:
         if state.group is not None:
             state.group.reshard()
             state.group.register_sharded()
+
+    def _apply(self, *args: Any, **kwargs: Any) -> Any:
+        # to_empty(), .to(), .float() ... replace sharded parameters or their data:
+        # show the sharded ones first, then re-adopt what changed.
+        self.reshard()
+        result = super()._apply(*args, **kwargs)
+        group = self._fullshard_state.group
+        if group is not None:
+            group.refresh_sharded()
+        return result
 
     def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
         """False: keep accumulating unsharded gradients locally, no communication (FSDP1's ``no_sync``)."""
@@ -236,15 +257,34 @@ def fully_shard(
     rank, world = mesh.get_local_rank(shard_dim), mesh.size(shard_dim)
 
     ignored = {id(p) for p in (ignored_params or ())}
+    all_params = {id(p) for m in modules for p in m.parameters()}
+    strangers = [p for p in (ignored_params or ()) if id(p) not in all_params]
+    if strangers:
+        raise ValueError(
+            f"fully_shard({name}): {len(strangers)} of ignored_params (shape {tuple(strangers[0].shape)}, ...) "
+            "are not parameters of the module(s); pass only parameters of the module being sharded"
+        )
     owners, params = _owners_of_params(modules, ignored)
     plans = []
     for key, param in params.items():
         fqn = owners[key][0][2]
-        if param in _MANAGED:
+        if isinstance(param, DTensor) and _is_managed(param):
+            raise ValueError(
+                f"fully_shard({name}): parameter '{fqn}' is already sharded by fully_shard on a parent "
+                "module; apply fully_shard to children first, then to their parents"
+            )
+        if _is_managed(param):
             raise ValueError(
                 f"fully_shard({name}): parameter '{fqn}' is shared with a module that fully_shard was "
                 "already applied to; tied parameters must belong to one unit: apply fully_shard to "
                 "their common parent only"
+            )
+        if param.device.type not in ("meta", "cpu", device.type) or (
+            param.device.type == device.type != "cpu" and param.device != device
+        ):
+            raise ValueError(
+                f"fully_shard({name}): parameter '{fqn}' is on {param.device} but the mesh uses {device}; "
+                f"move the module to {device} (or to the CPU or meta device, which fully_shard moves) first"
             )
         placement = shard_placement_fn(param) if shard_placement_fn is not None else None
         if placement is None:
@@ -276,7 +316,8 @@ def fully_shard(
     for param, fqn, layout in plans:
         holders = [(owner, attr) for owner, attr, _ in owners[id(param)]]
         sharded.append(ShardedParam(param, holders, fqn, layout, mesh, rank, device, mp.param_dtype, replicated))
-        _MANAGED.add(param)
+        _mark_managed(param)
+        _mark_managed(sharded[-1].sharded)
     flags = lifecycle(strategy, is_root=False, reshard_after_forward=reshard_after_forward)
     group = None
     if sharded:

@@ -29,6 +29,10 @@ class UsageError(Exception):
     """A bad argument: reported as one line, exit status 2, no traceback."""
 
 
+class WorkerFailed(Exception):
+    """A worker process failed: reported with the rank that failed first, exit status 1."""
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="fullshard", description="Fully sharded data parallelism on PyTorch.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -124,7 +128,16 @@ def _launch(cfg, nproc: int) -> list[dict]:
         start_method="spawn",
     )
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    returned = elastic_launch(config, worker_entry)(json.dumps(asdict(cfg)))
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    try:
+        returned = elastic_launch(config, worker_entry)(json.dumps(asdict(cfg)))
+    except ChildFailedError as error:
+        rank, failure = error.get_first_failure()
+        raise WorkerFailed(
+            f"rank {rank} failed first (exit code {failure.exitcode}); the other ranks stopped with it. "
+            "Its traceback is printed above."
+        ) from None
     return returned[0]
 
 
@@ -200,3 +213,6 @@ def main(argv: Optional[list[str]] = None) -> int:
     except UsageError as error:
         print(f"fullshard {args.command}: error: {error}", file=sys.stderr)
         return 2
+    except WorkerFailed as error:
+        print(f"fullshard {args.command}: {error}", file=sys.stderr)
+        return 1

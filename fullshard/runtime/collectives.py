@@ -28,6 +28,18 @@ _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_t
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
+class CollectiveError(RuntimeError):
+    """A collective failed or timed out (e.g. a peer died); names what it was doing and for whom."""
+
+
+def wait(work, what: str) -> None:
+    """Wait for a collective under the process group's timeout, naming it if it fails."""
+    try:
+        work.wait()
+    except Exception as error:  # gloo/NCCL raise plain RuntimeErrors (peer gone, timeout)
+        raise CollectiveError(f"{what} failed on rank {dist.get_rank()}: {error}") from error
+
+
 def _rank_chunks(flat: torch.Tensor, bucket: BucketLayout, index: int, param: ShardedParam) -> list[torch.Tensor]:
     """The padded chunk of member ``index`` in every rank's part of a rank-major buffer."""
     start = bucket.offsets[index]
@@ -37,8 +49,9 @@ def _rank_chunks(flat: torch.Tensor, bucket: BucketLayout, index: int, param: Sh
 
 
 class PendingGather:
-    def __init__(self, work, version_guard, transient: list, copy_out: Optional[Owned], bucket, params) -> None:
+    def __init__(self, work, version_guard, transient: list, copy_out: Optional[Owned], bucket, params, label) -> None:
         self.work = work
+        self.label = label
         self.version_guard = version_guard
         self.transient = transient
         self.copy_out = copy_out
@@ -46,7 +59,7 @@ class PendingGather:
         self.params = params
 
     def finish(self) -> None:
-        self.work.wait()
+        wait(self.work, f"all-gather of {self.label}")
         # The collective bumps the output's autograd version counter (from a
         # background thread, some time before the wait returns). Backward saved
         # the unsharded parameters that view this output; refilling them with
@@ -102,13 +115,14 @@ def gather_bucket(
         work = _all_gather(out, source.tensor, group=group, async_op=True)
         traffic["all_gather"] += out.numel() * out.element_size()
     copy_out = output if plan.unsharded is Unsharded.OWN_STORAGE else None
-    return PendingGather(work, version_guard, [source], copy_out, bucket, list(params))
+    return PendingGather(work, version_guard, [source], copy_out, bucket, list(params), label)
 
 
 def all_reduce_in_place(buffer: Owned, group: dist.ProcessGroup) -> None:
-    """Sum an owned buffer across ``group``, synchronously (HSDP's replica all-reduce)."""
-    dist.all_reduce(buffer.writable("all-reduce in place"), op=dist.ReduceOp.SUM, group=group)
+    """Sum an owned buffer across ``group`` (HSDP's replica all-reduce), waiting for it."""
+    work = dist.all_reduce(buffer.writable("all-reduce in place"), op=dist.ReduceOp.SUM, group=group, async_op=True)
     traffic["all_reduce"] += buffer.nbytes
+    wait(work, f"replica all-reduce of {buffer.what}")
 
 
 class PendingReduce:
@@ -116,8 +130,9 @@ class PendingReduce:
     # returns False when the gradient is kept as a partial sum instead of installed.
     combine: Optional[Callable[[Owned], bool]] = None
 
-    def __init__(self, work, transient: list, output: Owned, bucket, plan, params, grads_present, divide_factor) -> None:
+    def __init__(self, work, transient: list, output: Owned, bucket, plan, params, grads_present, divide_factor, label) -> None:
         self.work = work
+        self.label = label
         self.transient = transient
         self.output = output
         self.bucket = bucket
@@ -127,7 +142,7 @@ class PendingReduce:
         self.divide_factor = divide_factor
 
     def finish(self) -> None:
-        self.work.wait()
+        wait(self.work, f"gradient reduction of {self.label}")
         buffers.release_all(self.transient)
         if self.combine is not None and not self.combine(self.output):
             self.output = None  # now a partial sum owned by the group
@@ -196,10 +211,10 @@ def reduce_bucket(
         if all_reduce:
             work = dist.all_reduce(source.writable("all-reduce in place"), op=dist.ReduceOp.SUM, group=group, async_op=True)
             traffic["all_reduce"] += source.nbytes
-            return PendingReduce(work, [], source, bucket, plan, list(params), present, divide_factor)
+            return PendingReduce(work, [], source, bucket, plan, list(params), present, divide_factor, label)
         output = buffers.allocate(bucket.chunk_numel, reduce_dtype, device, f"reduce-scatter output of {label}")
         work = _reduce_scatter(
             output.writable("reduce-scatter into"), source.tensor, op=dist.ReduceOp.SUM, group=group, async_op=True
         )
         traffic["reduce_scatter"] += source.tensor.numel() * source.tensor.element_size()
-    return PendingReduce(work, [source], output, bucket, plan, list(params), present, divide_factor)
+    return PendingReduce(work, [source], output, bucket, plan, list(params), present, divide_factor, label)

@@ -64,19 +64,8 @@ class ParamGroup:
         self._partials: dict[int, Owned] = {}
         self.module_name = module_name
         self._reduce_dtype = reduce_dtype
-        layouts = tuple(p.layout for p in params)
-        # Only parameters of the same dtypes and trainability share a buffer.
-        kinds = tuple((p.stored_dtype, p.compute_dtype, p.requires_grad) for p in params)
-        fuse = DEFAULT_FUSE_BELOW_NUMEL if fuse_below_numel is None else fuse_below_numel
-        self.buckets = plan_buckets(layouts, fuse, kinds)
-        self.gather_plans = [
-            plan_gather(b, layouts, cast_needed=params[b.members[0]].compute_dtype != params[b.members[0]].stored_dtype)
-            for b in self.buckets
-        ]
-        self.labels = [self._label(b.members) for b in self.buckets]
-        # Outputs of lone all-gathers: the unsharded parameter is a view of them,
-        # so they live as long as the group and are reclaimed on reshard.
-        self._view_outputs: list[Optional[Owned]] = [None] * len(self.buckets)
+        self._fuse_below_numel = DEFAULT_FUSE_BELOW_NUMEL if fuse_below_numel is None else fuse_below_numel
+        self._plan()
         self.state = GroupState.SHARDED
         self._pending_gathers: list[PendingGather] = []
         self.reduce_grads = True
@@ -85,6 +74,22 @@ class ParamGroup:
         self._grads_ready: set[int] = set()
         self.backward_done = False
         self._hooks: list = []
+
+    def _plan(self) -> None:
+        """Buckets and ownership plans from the parameters' current shapes and dtypes."""
+        params = self.params
+        layouts = tuple(p.layout for p in params)
+        # Only parameters of the same dtypes and trainability share a buffer.
+        kinds = tuple((p.stored_dtype, p.compute_dtype, p.requires_grad) for p in params)
+        self.buckets = plan_buckets(layouts, self._fuse_below_numel, kinds)
+        self.gather_plans = [
+            plan_gather(b, layouts, cast_needed=params[b.members[0]].compute_dtype != params[b.members[0]].stored_dtype)
+            for b in self.buckets
+        ]
+        self.labels = [self._label(b.members) for b in self.buckets]
+        # Outputs of lone all-gathers: the unsharded parameter is a view of them,
+        # so they live as long as the group and are reclaimed on reshard.
+        self._view_outputs: list[Optional[Owned]] = [None] * len(self.buckets)
 
     def rename(self, module_fqn: str) -> None:
         """Name the group's parameters by their path from the root module (known at lazy init)."""
@@ -217,8 +222,17 @@ class ParamGroup:
             param.register_sharded()
 
     def refresh_sharded(self) -> None:
+        """Follow parameters the user replaced; re-plan and drop unsharded copies if any changed."""
+        changed = [param.refresh_from_module() for param in self.params]
+        if not any(changed):
+            return
+        self.reshard()
         for param in self.params:
-            param.refresh_from_module()
+            param.unsharded = param.unsharded_storage = None  # rebuilt (new dtype/device) at next unshard
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks.clear()
+        self._plan()
 
     # ------------------------------------------------------------------ backward
     def _on_grad_accumulated(self, index: int) -> None:

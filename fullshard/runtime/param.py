@@ -57,6 +57,7 @@ class ShardedParam:
         self.device = device
         self.requires_grad = param.requires_grad
         self.stored_dtype = param.dtype
+        self.param_dtype_policy = compute_dtype  # MixedPrecisionPolicy.param_dtype (None: stored dtype)
         self.compute_dtype = compute_dtype or param.dtype
         self.sharded: nn.Parameter
         # Storage of the sharded parameter holding the whole padded chunk, when
@@ -105,14 +106,22 @@ class ShardedParam:
             stride=_contiguous_stride(layout.shape),
         )
         self.sharded = nn.Parameter(dtensor, requires_grad=self.requires_grad)
+        self._local = local
         self.register_sharded()
 
-    def refresh_from_module(self) -> None:
-        """Re-adopt the sharded parameter if the user replaced it (``to_empty``, ``load_state_dict(assign=True)``)."""
+    def refresh_from_module(self) -> bool:
+        """Re-adopt the sharded parameter if it was replaced or its data swapped; True if it was.
+
+        ``to_empty``, ``.to(dtype)`` and ``load_state_dict(assign=True)`` give the
+        module a new parameter, or give the registered one a new local tensor
+        that is not backed by fullshard's padded storage. The new data is copied
+        into fresh storage of fullshard's layout; the parameter object the user
+        sees (possibly new) is kept, so references to it stay valid.
+        """
         module, name = self.owners[0]
         current = module._parameters.get(name)
-        if current is self.sharded:
-            return
+        if current is self.sharded and current._local_tensor is self._local:
+            return False
         if not isinstance(current, DTensor) or tuple(current.shape) != self.layout.shape:
             raise RuntimeError(
                 f"parameter '{self.fqn}' was replaced by a {type(current).__name__} of shape "
@@ -120,11 +129,20 @@ class ShardedParam:
                 f"of shape {self.layout.shape} sharded like the original. Load full tensors with "
                 "load_state_dict (without assign=True) instead."
             )
+        if tuple(current.placements) != self.placements:
+            raise RuntimeError(
+                f"parameter '{self.fqn}' was replaced by a DTensor placed {current.placements}; "
+                f"fully_shard placed it {self.placements}"
+            )
         self.requires_grad = current.requires_grad
         self.stored_dtype = current.dtype
+        self.compute_dtype = self.param_dtype_policy or current.dtype
         with torch.no_grad():
-            local = self._store_local(current.to_local().to(self.device))
-        self._install_sharded(local)
+            # DTensor keeps no padding: re-create fullshard's padded storage around the new data
+            current._local_tensor = self._store_local(current._local_tensor)
+        self.sharded, self._local = current, current._local_tensor
+        self.register_sharded()
+        return True
 
     def local_shard(self) -> torch.Tensor:
         return self.sharded.to_local()

@@ -20,6 +20,7 @@ import threading
 from typing import Any, Optional
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 from torch.autograd import Variable
 from torch.utils._pytree import tree_flatten, tree_map
@@ -86,6 +87,31 @@ class ShardState:
     def _lazy_init_as_root(self) -> None:
         if self.is_root is not None and self.root is self:
             return
+        self._build_subtree()
+        self._check_ranks_agree()
+
+    def _check_ranks_agree(self) -> None:
+        """Fail at the first step, not hang later, if ranks wrapped different models."""
+        groups = [s.group for s in self.subtree if s.group is not None]
+        if not groups:
+            return
+        layout = [
+            (p.fqn, p.layout.shape, p.layout.dim, str(p.stored_dtype), str(p.compute_dtype), p.requires_grad)
+            for group in groups for p in group.params
+        ]
+        process_group = groups[0].process_group
+        everyone: list = [None] * dist.get_world_size(process_group)
+        dist.all_gather_object(everyone, layout, group=process_group)
+        for rank, other in enumerate(everyone):
+            if other != layout:
+                mine, theirs = _first_difference(layout, other)
+                raise RuntimeError(
+                    f"fully_shard: rank {dist.get_rank()} and group rank {rank} wrapped different models "
+                    f"(first difference: {mine} here vs {theirs} there); every rank must build the same "
+                    "model and apply fully_shard the same way"
+                )
+
+    def _build_subtree(self) -> None:
         self.is_root, self.root = True, self
         self.subtree = [self]
         seen = {id(self)}
@@ -211,6 +237,13 @@ class ShardState:
                 group.mark_stale()  # the optimizer will change the shards: gather again next forward
             group.reset_backward()
         self._final_callback_queued = False
+
+
+def _first_difference(mine: list, theirs: list) -> tuple:
+    for a, b in zip(mine, theirs):
+        if a != b:
+            return a, b
+    return (f"{len(mine)} parameters", f"{len(theirs)} parameters")
 
 
 def _cast_floats(tree: Any, dtype: torch.dtype) -> Any:

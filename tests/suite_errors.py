@@ -1,0 +1,137 @@
+"""Bad input gets a clear error and leaves the model unchanged (issue 7); 2 gloo ranks."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+import fullshard.runtime.group as group_module
+from fullshard import FSDPModule, MixedPrecisionPolicy, fully_shard
+from fullshard.models.gpt import GPT, GPTConfig
+from tests.parity import build_gpt, mesh_1d, run_parity, shard_blocks_then_root
+
+
+def _unchanged(model: nn.Module, cls: type) -> None:
+    assert type(model) is cls and not isinstance(model, FSDPModule), "model class was changed"
+    assert not any(isinstance(p, DTensor) for p in model.parameters()), "parameters were sharded"
+    assert not hasattr(model, "_fullshard_state")
+
+
+def _raises(match: str, fn, *args, **kwargs):
+    with pytest.raises((ValueError, TypeError)) as info:
+        fn(*args, **kwargs)
+    assert any(word in str(info.value) for word in match.split("|")), str(info.value)
+    return str(info.value)
+
+
+def twice_on_one_module():
+    model = nn.Linear(4, 4)
+    fully_shard(model, mesh=mesh_1d())
+    return _raises("already applied", fully_shard, model, mesh=mesh_1d())
+
+
+def child_after_parent():
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    fully_shard(model, mesh=mesh_1d())
+    message = _raises("children first", fully_shard, model[0], mesh=mesh_1d())
+    assert not isinstance(model[0], FSDPModule)
+    return message
+
+
+def module_without_parameters_is_allowed():
+    model = nn.Sequential(nn.ReLU(), nn.Linear(4, 2))
+    fully_shard(model[0], mesh=mesh_1d())  # a unit with nothing to shard: hooks only
+    fully_shard(model, mesh=mesh_1d())
+    model(torch.randn(3, 4)).sum().backward()
+    assert isinstance(model[1].weight.grad, DTensor)
+    return True
+
+
+def mesh_of_wrong_dimension():
+    mesh3d = init_device_mesh("cpu", (1, 1, dist.get_world_size()))
+    model = nn.Linear(4, 4)
+    message = _raises("1-D|2-D", fully_shard, model, mesh=mesh3d)
+    _unchanged(model, nn.Linear)
+    mesh2d = init_device_mesh("cpu", (1, dist.get_world_size()), mesh_dim_names=("replicate", "shard"))
+    _raises("no_shard", fully_shard, model, mesh=mesh2d, strategy="no_shard")
+    _unchanged(model, nn.Linear)
+    return message
+
+
+def bad_shard_placement_fn():
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    first = _raises("Shard(dim)", fully_shard, model, mesh=mesh_1d(), shard_placement_fn=lambda p: Replicate())
+    assert "0.weight" in first
+    second = _raises("out of range|must be in", fully_shard, model, mesh=mesh_1d(), shard_placement_fn=lambda p: Shard(5))
+    _unchanged(model, nn.Sequential)
+    return [first, second]
+
+
+def bad_policies():
+    model = nn.Linear(4, 4)
+    messages = [
+        _raises("param_dtype", fully_shard, model, mesh=mesh_1d(), mp_policy=MixedPrecisionPolicy(param_dtype=torch.int32)),
+        _raises("reduce_dtype", fully_shard, model, mesh=mesh_1d(), mp_policy=MixedPrecisionPolicy(reduce_dtype=torch.int64)),
+        _raises("mp_policy", fully_shard, model, mesh=mesh_1d(), mp_policy="bf16"),
+        _raises("offload_policy", fully_shard, model, mesh=mesh_1d(), offload_policy=True),
+        _raises("strategy", fully_shard, model, mesh=mesh_1d(), strategy="zero9"),
+        _raises("reshard_after_forward", fully_shard, model, mesh=mesh_1d(), reshard_after_forward="yes"),
+    ]
+    _unchanged(model, nn.Linear)
+    return messages
+
+
+def ignored_params_not_in_module():
+    model, stranger = nn.Linear(4, 4), nn.Parameter(torch.zeros(3))
+    message = _raises("not parameters of the module", fully_shard, model, mesh=mesh_1d(), ignored_params={stranger})
+    _unchanged(model, nn.Linear)
+    return message
+
+
+def ignored_params_stay_local():
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    fully_shard(model, mesh=mesh_1d(), ignored_params={model[1].bias})
+    assert isinstance(model[0].weight, DTensor) and not isinstance(model[1].bias, DTensor)
+    model(torch.randn(2, 4)).sum().backward()
+    assert model[1].bias.grad is not None and not isinstance(model[1].bias.grad, DTensor)
+    return True
+
+
+def frozen_mixed_with_trainable_works():
+    def build():
+        model = build_gpt()
+        model.wpe.weight.requires_grad_(False)
+        for layer in model.layers:
+            layer.ln1.weight.requires_grad_(False)
+            layer.attn.qkv.weight.requires_grad_(False)
+        return model
+
+    mesh = mesh_1d()
+    saved = group_module.DEFAULT_FUSE_BELOW_NUMEL
+    try:
+        for fuse_below in (saved, 0):  # frozen and trainable in separate buckets, fused or not
+            group_module.DEFAULT_FUSE_BELOW_NUMEL = fuse_below
+            run_parity(build, lambda m: shard_blocks_then_root(m, mesh=mesh))
+    finally:
+        group_module.DEFAULT_FUSE_BELOW_NUMEL = saved
+    return True
+
+
+def ranks_with_different_models_fail_at_first_step():
+    width = 32 if dist.get_rank() == 0 else 40
+    model = GPT(GPTConfig(vocab_size=64, seq_len=16, d_model=width, n_layers=2, n_heads=4))
+    shard_blocks_then_root(model, mesh=mesh_1d())
+    with pytest.raises(RuntimeError, match="wrapped different models") as info:
+        model(torch.randint(0, 64, (2, 16)))
+    return str(info.value)
+
+
+def suite():
+    return {fn.__name__: fn for fn in [
+        twice_on_one_module, child_after_parent, module_without_parameters_is_allowed, mesh_of_wrong_dimension,
+        bad_shard_placement_fn, bad_policies, ignored_params_not_in_module, ignored_params_stay_local,
+        frozen_mixed_with_trainable_works, ranks_with_different_models_fail_at_first_step,
+    ]}
