@@ -16,6 +16,9 @@ _EXPORTS = {
     "CPUOffloadPolicy": "fullshard.policies",
     "OwnershipError": "fullshard.buffers",
     "set_check_ownership": "fullshard.buffers",
+    "set_check_finite": "fullshard.runtime.finite",
+    "memory_report": "fullshard.accounting",
+    "reset_traffic": "fullshard.accounting",
 }
 __all__ = sorted(_EXPORTS)
 

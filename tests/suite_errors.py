@@ -134,4 +134,27 @@ def suite():
         twice_on_one_module, child_after_parent, module_without_parameters_is_allowed, mesh_of_wrong_dimension,
         bad_shard_placement_fn, bad_policies, ignored_params_not_in_module, ignored_params_stay_local,
         frozen_mixed_with_trainable_works, ranks_with_different_models_fail_at_first_step,
-    ]}
+    ] + SUITE_EXTRA}
+
+
+def nonfinite_gradient_is_reported_by_name():
+    from fullshard import set_check_finite
+
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    fully_shard(model[0], mesh=mesh_1d())
+    fully_shard(model, mesh=mesh_1d())
+    set_check_finite(True)
+    try:
+        x = torch.randn(2, 4)
+        if dist.get_rank() == 1:
+            x[0, 0] = float("nan")
+        with pytest.raises(FloatingPointError, match=r"'1\.(weight|bias)' on group rank 1"):
+            model(x).sum().backward()
+        model.zero_grad()
+        model(torch.randn(2, 4)).sum().backward()  # clean steps pass
+    finally:
+        set_check_finite(False)
+    return True
+
+
+SUITE_EXTRA = [nonfinite_gradient_is_reported_by_name]

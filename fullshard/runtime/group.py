@@ -25,6 +25,7 @@ from fullshard.runtime.collectives import (
     gather_bucket,
     reduce_bucket,
 )
+from fullshard.runtime import finite
 from fullshard.runtime.param import ShardedParam
 
 # Parameters whose per-rank chunk has fewer elements than this share one
@@ -115,8 +116,12 @@ class ParamGroup:
     # ------------------------------------------------------------------ unshard / reshard
     def unshard(self) -> None:
         """Issue the all-gathers (asynchronously); :meth:`wait_for_unshard` completes them."""
+        if self.state is GroupState.UNSHARDED and self._shards_changed():
+            self.mark_stale()
         if self.state is not GroupState.SHARDED:
             return
+        for param in self.params:
+            param.gathered_version = param.shard_version()
         if self.all_reduce:
             self._unshard_replicated()
             self.state = GroupState.UNSHARDED
@@ -208,6 +213,14 @@ class ParamGroup:
                 param.unsharded_storage.reclaim()
         self.state = GroupState.SHARDED
 
+    def _shards_changed(self) -> bool:
+        """Whether a shard was written since it was gathered (optimizer step, load_state_dict, ...).
+
+        Autograd's version counter of the local shard says so exactly, whatever
+        wrote it; the kept unsharded copy is then gathered again.
+        """
+        return any(p.shard_version() != p.gathered_version for p in self.params)
+
     def mark_stale(self) -> None:
         """Keep the unsharded storage but gather into it again before the next use (ZeRO-1/2)."""
         self.wait_for_unshard()
@@ -238,6 +251,8 @@ class ParamGroup:
     def _on_grad_accumulated(self, index: int) -> None:
         self._grads_ready.add(index)
         param = self.params[index]
+        if finite.check_finite_enabled():
+            finite.inspect(param.fqn, param.unsharded.grad)
         if not self.reduce_grads and param.compute_dtype != self.reduce_dtype(param):
             # Accumulating without sync: sum in the reduce dtype (e.g. fp32 for bf16 compute).
             param.accumulate_grad_in(self.reduce_dtype(param), f"gradient accumulator of '{param.fqn}'")

@@ -46,7 +46,7 @@ class ShardedParam:
     ) -> None:
         self.local_fqn = fqn  # relative to the module fully_shard was applied to
         self.fqn = fqn  # from the root, once the root is known (ParamGroup.rename)
-        self.owners = owners
+        self.owners = owners  # (module, attribute) pairs: several for tied parameters
         self.layout = layout
         self.mesh = mesh
         # no_shard keeps a full replica per rank: a layout over a world of one,
@@ -68,6 +68,8 @@ class ShardedParam:
         # Set when the unsharded parameter has storage of its own (copy-out path);
         # None when it is a view of its bucket's all-gather output.
         self.unsharded_storage: Optional[Owned] = None
+        # Version of the local shard when it was last gathered (see ParamGroup._shards_changed).
+        self.gathered_version: tuple[int, int] = (-1, -1)
         # Gradients summed across backward passes without sync, in the reduce dtype
         # when it differs from the compute dtype (owned; see accumulate_grad_in).
         self.grad_accumulator: Optional[Owned] = None
@@ -146,6 +148,21 @@ class ShardedParam:
 
     def local_shard(self) -> torch.Tensor:
         return self.sharded.to_local()
+
+    def shard_version(self) -> tuple[int, int]:
+        # Writes through the DTensor (optimizer steps, load_state_dict's copy_) bump its
+        # own counter, not the inner local tensor's; writes straight into the local
+        # tensor (dcp.load) bump only the local one. Either means "changed".
+        return self.sharded._version, self.sharded._local_tensor._version
+
+    def full_to_sharded(self, full: torch.Tensor) -> DTensor:
+        """This rank's DTensor shard of a full (plain) tensor of the parameter's shape."""
+        layout = self.layout
+        local = full.narrow(layout.dim, layout.local_offset(self.rank), layout.local_length(self.rank))
+        return DTensor.from_local(
+            local.to(self.device), self.mesh, self.placements, run_check=False,
+            shape=torch.Size(layout.shape), stride=_contiguous_stride(layout.shape),
+        )
 
     def register_sharded(self) -> None:
         for module, name in self.owners:

@@ -23,12 +23,14 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.autograd import Variable
+from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_flatten, tree_map
 
 from fullshard.plan.strategy import Lifecycle, Strategy, lifecycle
 from fullshard.policies import MixedPrecisionPolicy
+from fullshard.runtime import finite
 from fullshard.runtime.collectives import PendingReduce
-from fullshard.runtime.group import ParamGroup
+from fullshard.runtime.group import GroupState, ParamGroup
 
 _active = threading.local()
 
@@ -67,6 +69,8 @@ class ShardState:
         if group is not None:
             group.on_grad_ready = self._on_grad_ready
         for module in modules:
+            module.register_state_dict_pre_hook(self._before_state_dict)
+            module.register_load_state_dict_pre_hook(self._before_load_state_dict)
             module.register_forward_pre_hook(self._pre_forward, prepend=True, with_kwargs=True)
             # always_call: a forward that raises still restores the sharded registration and the root marker
             module.register_forward_hook(self._post_forward, prepend=False, always_call=True)
@@ -82,6 +86,30 @@ class ShardState:
     @reshard_after_forward.setter
     def reshard_after_forward(self, value: bool) -> None:
         self._reshard_after_forward = value
+
+    def _before_state_dict(self, *_args: Any) -> None:
+        """The tensors state_dict() returns may be written (dcp.load writes into them, below any
+        version counter fullshard can see): gather a kept unsharded copy again before its next use."""
+        if self.group is not None and self.group.state is GroupState.UNSHARDED and not _in_backward():
+            self.group.mark_stale()
+
+    def _before_load_state_dict(self, module: nn.Module, state_dict: dict, prefix: str, *_args: Any) -> None:
+        """Accept full (plain) tensors for sharded parameters: keep this rank's shard of each.
+
+        (Sharded DTensors load as they are; a kept unsharded copy is refreshed
+        at the next forward because the shards' versions change.)
+        """
+        if self.group is None:
+            return
+        paths = {id(m): name for name, m in module.named_modules()}
+        for param in self.group.params:
+            for owner, attr in param.owners:
+                if id(owner) not in paths:
+                    continue
+                key = f"{prefix}{paths[id(owner)]}.{attr}" if paths[id(owner)] else f"{prefix}{attr}"
+                value = state_dict.get(key)
+                if isinstance(value, torch.Tensor) and not isinstance(value, DTensor) and tuple(value.shape) == param.layout.shape:
+                    state_dict[key] = param.full_to_sharded(value)
 
     # ------------------------------------------------------------------ lazy init
     def _lazy_init_as_root(self) -> None:
@@ -237,6 +265,9 @@ class ShardState:
                 group.mark_stale()  # the optimizer will change the shards: gather again next forward
             group.reset_backward()
         self._final_callback_queued = False
+        groups = [s.group for s in self.subtree if s.group is not None]
+        if finite.check_finite_enabled() and groups:
+            finite.raise_if_any(groups[0].process_group)
 
 
 def _first_difference(mine: list, theirs: list) -> tuple:
