@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import contextlib
-import weakref
 from typing import Any, Callable, Iterator, Optional, Union
 
 import torch
@@ -19,20 +18,21 @@ from fullshard.runtime.param import ShardedParam
 from fullshard.runtime.state import ShardState
 
 # Parameters already taken over by some fully_shard call (the originals and
-# their sharded replacements), by id: a parameter shared with a module outside
-# that call would otherwise be sharded twice and silently untied. (A WeakSet
-# would compare tensors with ==, which is elementwise.)
-_MANAGED: dict[int, weakref.ref] = {}
+# their sharded replacements) carry this attribute: a parameter shared with a
+# module outside that call would otherwise be sharded twice and silently
+# untied. (An attribute, not a weak reference: torch refuses to swap tensors
+# that have weak references, as module._apply does for DTensors.)
+_MANAGED_ATTR = "_fullshard_managed"
 
 
 def _is_managed(param: nn.Parameter) -> bool:
-    ref = _MANAGED.get(id(param))
-    return ref is not None and ref() is param
+    return getattr(param, _MANAGED_ATTR, False)
 
 
 def _mark_managed(param: nn.Parameter) -> None:
-    key = id(param)
-    _MANAGED[key] = weakref.ref(param, lambda _ref: _MANAGED.pop(key, None))
+    setattr(param, _MANAGED_ATTR, True)
+
+
 _FSDP_CLASSES: dict[type, type] = {}
 
 
