@@ -12,7 +12,13 @@ from torch.distributed.tensor import DTensor, Shard
 
 from fullshard.plan import ShardLayout
 from fullshard.plan.strategy import Strategy, lifecycle
-from fullshard.policies import MixedPrecisionPolicy, OffloadPolicy, as_mp_policy, as_offload_policy
+from fullshard.policies import (
+    CPUOffloadPolicy,
+    MixedPrecisionPolicy,
+    OffloadPolicy,
+    as_mp_policy,
+    as_offload_policy,
+)
 from fullshard.runtime.group import ParamGroup
 from fullshard.runtime.param import ShardedParam
 from fullshard.runtime.state import ShardState
@@ -250,8 +256,7 @@ def fully_shard(
             f"fully_shard({name}): strategy 'no_shard' replicates over the whole mesh; pass a 1-D mesh"
         )
     device = _mesh_device(mesh)
-    if type(offload) is not OffloadPolicy and device.type != "cpu":
-        raise NotImplementedError(f"fully_shard({name}): CPU offload to a {device.type} mesh is not implemented yet")
+    pin_memory = offload.pin_memory if isinstance(offload, CPUOffloadPolicy) else None
     # The last mesh dim shards; a leading dim (HSDP) replicates and all-reduces gradients.
     shard_dim = mesh.ndim - 1
     rank, world = mesh.get_local_rank(shard_dim), mesh.size(shard_dim)
@@ -315,7 +320,9 @@ def fully_shard(
     sharded = []
     for param, fqn, layout in plans:
         holders = [(owner, attr) for owner, attr, _ in owners[id(param)]]
-        sharded.append(ShardedParam(param, holders, fqn, layout, mesh, rank, device, mp.param_dtype, replicated))
+        sharded.append(
+            ShardedParam(param, holders, fqn, layout, mesh, rank, device, mp.param_dtype, replicated, pin_memory)
+        )
         _mark_managed(param)
         _mark_managed(sharded[-1].sharded)
     flags = lifecycle(strategy, is_root=False, reshard_after_forward=reshard_after_forward)

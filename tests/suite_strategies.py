@@ -128,7 +128,29 @@ def suite():
     scenarios = {fn.__name__: fn for fn in [
         placements_follow_strategy, collectives_follow_strategy, fp32_accumulation_of_bf16_grads,
         divide_factor_one_sums_gradients,
-    ]}
+    ] + EXTRA}
     for strategy, precision, micro in itertools.product(Strategy, PRECISIONS, (1, 4)):
         scenarios[f"parity_{strategy.value}_{precision}_accum{micro}"] = _parity(strategy, precision, micro)
     return scenarios
+
+
+def cpu_offload_parity():
+    """CPUOffloadPolicy on a CPU mesh: the transfer is a no-op, the offload lifecycle runs; torch's policy too."""
+    from torch.distributed.fsdp import CPUOffloadPolicy as TorchCPUOffloadPolicy
+
+    from fullshard import CPUOffloadPolicy
+
+    mesh = mesh_1d()
+    for policy in (CPUOffloadPolicy(pin_memory=False), TorchCPUOffloadPolicy()):
+        for strategy in ("optim_grads_params", "no_shard"):
+            model_losses = run_parity(
+                build_gpt, lambda m: shard_blocks_then_root(m, mesh=mesh, offload_policy=policy, strategy=strategy)
+            ).losses
+    model = shard_blocks_then_root(build_gpt(), mesh=mesh, offload_policy=CPUOffloadPolicy())
+    gpt_loss(model, gpt_batch(0, 2)).backward()
+    for name, param in model.named_parameters():
+        assert param.to_local().device.type == "cpu" and param.grad.to_local().device.type == "cpu", name
+    return model_losses
+
+
+EXTRA = [cpu_offload_parity]

@@ -193,3 +193,12 @@ def test_ownership_rules_agree_with_torch(dtype):
 def test_plan_imports_no_framework():
     code = "import sys, fullshard.plan; assert 'torch' not in sys.modules, 'plan imported torch'"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_offloaded_shards_get_copied_gradients():
+    """Offloaded (CPU) shards: the reduced gradient is copied to the storage device, never a view."""
+    layout = ShardLayout((8, 4), 0, 2)
+    bucket = plan_buckets([layout], 0)[0]
+    plan = plan_reduce(bucket, (layout,), True, True, True, offloaded=True)
+    assert plan.sharded_grad is ShardedGrad.COPY and plan.input is Ownership.BORROWED
+    assert plan_reduce(bucket, (layout,), True, True, True, all_reduce=True, offloaded=True).sharded_grad is ShardedGrad.COPY

@@ -81,7 +81,8 @@ def plan_gather(bucket: BucketLayout, layouts: tuple[ShardLayout, ...], cast_nee
     """All-gather of one bucket.
 
     The input is borrowed (the parameter's own padded storage, read-only)
-    when one parameter travels alone in its stored dtype; any cast or fusion
+    when one parameter travels alone as stored; any conversion (``cast_needed``:
+    another dtype, or another device when the shards are offloaded) or fusion
     allocates. The output is always allocated by fullshard. A lone parameter
     with a prefix layout is used as a view of that output; everything else is
     copied out of it into storage of its own.
@@ -104,6 +105,7 @@ def plan_reduce(
     grads_contiguous: bool,
     reduce_dtype_is_param_dtype: bool,
     all_reduce: bool = False,
+    offloaded: bool = False,
 ) -> ReducePlan:
     """Reduce-scatter of one bucket.
 
@@ -120,9 +122,11 @@ def plan_reduce(
 
     An all-reduce (replicated parameters) works in place on its buffer, so its
     input is always owned: the caller's gradient is never written.
+
+    With offloaded shards the sharded gradient is a copy on the storage device.
     """
     if all_reduce:
-        view_grad = reduce_dtype_is_param_dtype
+        view_grad = reduce_dtype_is_param_dtype and not offloaded
         return ReducePlan(
             input=Ownership.OWNED,
             output=Ownership.OWNED,
@@ -137,7 +141,9 @@ def plan_reduce(
         and grad_dtype_is_reduce_dtype
         and grads_contiguous
     )
-    view_grad = reduce_dtype_is_param_dtype and all(layouts[i].gather_is_prefix for i in bucket.members)
+    view_grad = (
+        reduce_dtype_is_param_dtype and not offloaded and all(layouts[i].gather_is_prefix for i in bucket.members)
+    )
     return ReducePlan(
         input=Ownership.BORROWED if borrow else Ownership.OWNED,
         output=Ownership.OWNED,

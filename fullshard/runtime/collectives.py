@@ -104,7 +104,7 @@ def gather_bucket(
                 start = bucket.offsets[index]
                 region = flat[start : start + param.layout.padded_chunk_numel].view(param.layout.padded_chunk_shape)
                 if param.padded_chunk is not None:
-                    region.copy_(param.padded_chunk)
+                    region.copy_(param.padded_chunk, non_blocking=param.pin_memory)
                 else:
                     local = param.local_shard()
                     length = local.shape[param.layout.dim]
@@ -161,7 +161,8 @@ class PendingReduce:
                 else:
                     chunk = out[start : start + layout.padded_chunk_numel].view(layout.padded_chunk_shape)
                     local = chunk.narrow(layout.dim, 0, layout.local_length(param.rank)).to(
-                        param.stored_dtype, memory_format=torch.contiguous_format, copy=True
+                        device=param.storage_device, dtype=param.stored_dtype, non_blocking=param.pin_memory,
+                        memory_format=torch.contiguous_format, copy=True,
                     )
                 param.to_sharded_grad(local)
         if self.plan.sharded_grad is ShardedGrad.VIEW_OF_OUTPUT:

@@ -84,8 +84,7 @@ class ParamGroup:
         kinds = tuple((p.stored_dtype, p.compute_dtype, p.requires_grad) for p in params)
         self.buckets = plan_buckets(layouts, self._fuse_below_numel, kinds)
         self.gather_plans = [
-            plan_gather(b, layouts, cast_needed=params[b.members[0]].compute_dtype != params[b.members[0]].stored_dtype)
-            for b in self.buckets
+            plan_gather(b, layouts, cast_needed=params[b.members[0]].converts_for_compute) for b in self.buckets
         ]
         self.labels = [self._label(b.members) for b in self.buckets]
         # Outputs of lone all-gathers: the unsharded parameter is a view of them,
@@ -139,13 +138,14 @@ class ParamGroup:
         """no_shard: the unsharded parameter is the replica itself, or an owned cast of it."""
         for param in self.params:
             local = param.local_shard()
-            if param.compute_dtype == param.stored_dtype:
+            if not param.converts_for_compute:
                 if param.unsharded is None or param.unsharded.untyped_storage()._cdata != local.untyped_storage()._cdata:
                     self._make_unsharded(param, local)  # borrowed: the replica's own storage, never reclaimed
                 continue
             if param.unsharded_storage is None:
                 param.unsharded_storage = buffers.adopt(
-                    local.to(param.compute_dtype), f"{param.compute_dtype} copy of '{param.fqn}' of module '{self.module_name}'"
+                    local.to(param.device, param.compute_dtype),
+                    f"{param.compute_dtype} copy of '{param.fqn}' of module '{self.module_name}'",
                 )
                 self._make_unsharded(param, param.unsharded_storage.tensor)
             else:
@@ -226,6 +226,11 @@ class ParamGroup:
         self.wait_for_unshard()
         self.state = GroupState.SHARDED
 
+    @property
+    def offloaded_to_host(self) -> bool:
+        """Shards live in CPU memory while computing on an accelerator (copies may be in flight)."""
+        return any(p.offloaded and p.device.type != "cpu" for p in self.params)
+
     def register_unsharded(self) -> None:
         for param in self.params:
             param.register_unsharded()
@@ -291,6 +296,7 @@ class ParamGroup:
                 grads_contiguous=all(g.is_contiguous() for g in present),
                 reduce_dtype_is_param_dtype=reduce_dtype == members[0].stored_dtype,
                 all_reduce=self.all_reduce,
+                offloaded=members[0].offloaded,
             )
             reduction = reduce_bucket(
                 bucket, plan, members, grads, reduce_dtype, self.process_group, divide, self.labels[index],

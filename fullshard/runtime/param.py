@@ -43,6 +43,7 @@ class ShardedParam:
         device: torch.device,
         compute_dtype: Optional[torch.dtype],
         replicated: bool = False,
+        offload_pin_memory: Optional[bool] = None,
     ) -> None:
         self.local_fqn = fqn  # relative to the module fully_shard was applied to
         self.fqn = fqn  # from the root, once the root is known (ParamGroup.rename)
@@ -54,7 +55,12 @@ class ShardedParam:
         own = Replicate() if replicated else Shard(layout.dim)
         self.placements = (Replicate(),) * (mesh.ndim - 1) + (own,)
         self.rank = 0 if replicated else rank
-        self.device = device
+        self.device = device  # where the unsharded parameter computes (the mesh's device)
+        # CPU offload keeps shards (and so gradients and optimizer state) in CPU
+        # memory, pinned for fast copies when asked and possible.
+        self.offloaded = offload_pin_memory is not None
+        self.storage_device = torch.device("cpu") if self.offloaded else device
+        self.pin_memory = bool(offload_pin_memory) and device.type != "cpu"
         self.requires_grad = param.requires_grad
         self.stored_dtype = param.dtype
         self.param_dtype_policy = compute_dtype  # MixedPrecisionPolicy.param_dtype (None: stored dtype)
@@ -75,8 +81,8 @@ class ShardedParam:
         self.grad_accumulator: Optional[Owned] = None
         with torch.no_grad():
             full = param.detach()
-            if full.device != device and full.device.type != "meta":
-                full = full.to(device)
+            if full.device != self.storage_device and full.device.type != "meta":
+                full = full.to(self.storage_device)
             local = self._local_from_full(full)
         self._install_sharded(local)
 
@@ -90,7 +96,10 @@ class ShardedParam:
         """Copy a local shard into storage fullshard keeps for the sharded parameter."""
         layout = self.layout
         if stores_padded_chunk(layout):
-            self.padded_chunk = torch.zeros(layout.padded_chunk_shape, dtype=local.dtype, device=local.device)
+            self.padded_chunk = torch.zeros(
+                layout.padded_chunk_shape, dtype=local.dtype, device=local.device,
+                pin_memory=self.pin_memory and local.device.type == "cpu",
+            )
             stored = self.padded_chunk.narrow(layout.dim, 0, local.shape[layout.dim])
             stored.copy_(local)
             return stored
@@ -146,6 +155,11 @@ class ShardedParam:
         self.register_sharded()
         return True
 
+    @property
+    def converts_for_compute(self) -> bool:
+        """The shard must be cast or moved before it can be gathered for compute."""
+        return self.compute_dtype != self.stored_dtype or self.storage_device != self.device
+
     def local_shard(self) -> torch.Tensor:
         return self.sharded.to_local()
 
@@ -160,7 +174,7 @@ class ShardedParam:
         layout = self.layout
         local = full.narrow(layout.dim, layout.local_offset(self.rank), layout.local_length(self.rank))
         return DTensor.from_local(
-            local.to(self.device), self.mesh, self.placements, run_check=False,
+            local.to(self.storage_device), self.mesh, self.placements, run_check=False,
             shape=torch.Size(layout.shape), stride=_contiguous_stride(layout.shape),
         )
 

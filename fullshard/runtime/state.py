@@ -255,6 +255,10 @@ class ShardState:
             if group is not None and group.reduce_grads and state.lifecycle.reduce_at_end_of_backward:
                 self._pending_reduces.extend(group.reduce())
         self._finish_reduces()
+        offloaded = [s.group for s in self.subtree if s.group is not None and s.group.offloaded_to_host]
+        if offloaded:
+            # gradients copied to pinned host memory without blocking: done before the optimizer reads them
+            getattr(torch, offloaded[0].params[0].device.type).synchronize()
         for state in self.subtree:
             group = state.group
             if group is None:
