@@ -321,7 +321,9 @@ def fully_shard(
     for param, fqn, layout in plans:
         holders = [(owner, attr) for owner, attr, _ in owners[id(param)]]
         sharded.append(
-            ShardedParam(param, holders, fqn, layout, mesh, rank, device, mp.param_dtype, replicated, pin_memory)
+            ShardedParam(
+                param, holders, fqn, layout, mesh, rank, device, mp.param_dtype, replicated, pin_memory, mp.main_dtype
+            )
         )
         _mark_managed(param)
         _mark_managed(sharded[-1].sharded)

@@ -22,12 +22,20 @@ class MixedPrecisionPolicy:
       gradient's dtype, i.e. ``param_dtype`` when set).
     * ``output_dtype``: floating outputs of the module's forward are cast to it.
     * ``cast_forward_inputs``: floating inputs are cast to ``param_dtype``.
+    * ``main_dtype`` (beyond FSDP2; the seed's ``apply_grad_on_fp32_main_grad``):
+      dtype of the sharded *main* parameters and of their gradients, which is
+      what the optimizer steps on. For a model stored in bf16, ``float32``
+      upcasts the shards once at ``fully_shard``; compute and all-gather stay
+      in the stored dtype (unless ``param_dtype`` says otherwise) and the
+      gradients, reduced in ``reduce_dtype``, reach the optimizer in fp32.
+      ``None``: the stored dtype.
     """
 
     param_dtype: Optional[torch.dtype] = None
     reduce_dtype: Optional[torch.dtype] = None
     output_dtype: Optional[torch.dtype] = None
     cast_forward_inputs: bool = True
+    main_dtype: Optional[torch.dtype] = None
 
 
 @dataclass(frozen=True)
@@ -63,7 +71,7 @@ def as_mp_policy(policy: object, module_name: str) -> MixedPrecisionPolicy:
         result = MixedPrecisionPolicy(
             policy.param_dtype, policy.reduce_dtype, policy.output_dtype, policy.cast_forward_inputs
         )
-    for field in ("param_dtype", "reduce_dtype", "output_dtype"):
+    for field in ("param_dtype", "reduce_dtype", "output_dtype", "main_dtype"):
         dtype = getattr(result, field)
         if dtype is not None and (not isinstance(dtype, torch.dtype) or not dtype.is_floating_point):
             raise ValueError(

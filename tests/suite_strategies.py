@@ -154,3 +154,38 @@ def cpu_offload_parity():
 
 
 EXTRA = [cpu_offload_parity]
+
+
+def fp32_main_grads_for_bf16_stored_model():
+    """A bf16-stored model with main_dtype=float32 tracks an fp32 reference far better than plain bf16."""
+    mesh = mesh_1d()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    reference = build_gpt()
+    plain, main = copy.deepcopy(reference).bfloat16(), copy.deepcopy(reference).bfloat16()
+    shard_blocks_then_root(plain, mesh=mesh, mp_policy=MixedPrecisionPolicy(reduce_dtype=torch.float32))
+    shard_blocks_then_root(
+        main, mesh=mesh, mp_policy=MixedPrecisionPolicy(reduce_dtype=torch.float32, main_dtype=torch.float32)
+    )
+    assert all(p.dtype == torch.float32 for p in main.parameters())  # what the optimizer steps on
+    optimizers = [torch.optim.SGD(m.parameters(), lr=0.05) for m in (reference, plain, main)]
+    for step in range(20):
+        batch = gpt_batch(step, 4)
+        local = tuple(t.chunk(world)[rank] for t in batch)
+        gpt_loss(reference, batch).backward()
+        for model in (plain, main):
+            gpt_loss(model, local).backward()
+        assert all(p.grad.dtype == torch.float32 for p in main.parameters())
+        for optimizer in optimizers:
+            optimizer.step()
+            optimizer.zero_grad()
+
+    def deviation(model):
+        return max((p.full_tensor().float() - r).abs().max().item() for p, r in zip(model.parameters(), reference.parameters()))
+
+    plain_dev, main_dev = deviation(plain), deviation(main)
+    assert main_dev < plain_dev / 4, f"fp32 main grads deviate {main_dev}, plain bf16 {plain_dev}"
+    return {"plain_bf16_max_deviation": plain_dev, "fp32_main_max_deviation": main_dev}
+
+
+EXTRA.append(fp32_main_grads_for_bf16_stored_model)

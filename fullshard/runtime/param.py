@@ -44,6 +44,7 @@ class ShardedParam:
         compute_dtype: Optional[torch.dtype],
         replicated: bool = False,
         offload_pin_memory: Optional[bool] = None,
+        main_dtype: Optional[torch.dtype] = None,
     ) -> None:
         self.local_fqn = fqn  # relative to the module fully_shard was applied to
         self.fqn = fqn  # from the root, once the root is known (ParamGroup.rename)
@@ -62,8 +63,10 @@ class ShardedParam:
         self.storage_device = torch.device("cpu") if self.offloaded else device
         self.pin_memory = bool(offload_pin_memory) and device.type != "cpu"
         self.requires_grad = param.requires_grad
-        self.stored_dtype = param.dtype
-        self.param_dtype_policy = compute_dtype  # MixedPrecisionPolicy.param_dtype (None: stored dtype)
+        # Shards are kept (and stepped on) in main_dtype; compute defaults to the model's own dtype.
+        self.stored_dtype = main_dtype or param.dtype
+        self.main_dtype = main_dtype
+        self.param_dtype_policy = compute_dtype  # MixedPrecisionPolicy.param_dtype
         self.compute_dtype = compute_dtype or param.dtype
         self.sharded: nn.Parameter
         # Storage of the sharded parameter holding the whole padded chunk, when
@@ -83,6 +86,7 @@ class ShardedParam:
             full = param.detach()
             if full.device != self.storage_device and full.device.type != "meta":
                 full = full.to(self.storage_device)
+            full = full.to(self.stored_dtype)
             local = self._local_from_full(full)
         self._install_sharded(local)
 
@@ -147,7 +151,10 @@ class ShardedParam:
             )
         self.requires_grad = current.requires_grad
         self.stored_dtype = current.dtype
-        self.compute_dtype = self.param_dtype_policy or current.dtype
+        if self.param_dtype_policy is not None:
+            self.compute_dtype = self.param_dtype_policy
+        elif self.main_dtype is None:  # e.g. model.to(bfloat16) after fully_shard: compute in it
+            self.compute_dtype = current.dtype
         with torch.no_grad():
             # DTensor keeps no padding: re-create fullshard's padded storage around the new data
             current._local_tensor = self._store_local(current._local_tensor)
