@@ -124,6 +124,8 @@ class FSDPModule:
             raise ValueError(f"reshard_after_forward must be a bool, got {type(reshard_after_forward).__name__}")
         for state in self._fullshard_states(recurse):
             state.reshard_after_forward = reshard_after_forward
+            if state.group is not None:
+                state.group.post_forward_group = None
 
     def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
         for state in self._fullshard_states(recurse):
@@ -166,6 +168,19 @@ def _default_mesh() -> DeviceMesh:
         )
     device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
     return init_device_mesh(device_type, (dist.get_world_size(),))
+
+
+_POST_FORWARD_GROUPS: dict[tuple[int, ...], dist.ProcessGroup] = {}
+
+
+def _post_forward_group(shard_group: dist.ProcessGroup, size: int) -> dist.ProcessGroup:
+    """This rank's block of ``size`` consecutive ranks of ``shard_group`` (created once, by its members only)."""
+    ranks = dist.get_process_group_ranks(shard_group)
+    first = (dist.get_rank(shard_group) // size) * size
+    block = tuple(ranks[first : first + size])
+    if block not in _POST_FORWARD_GROUPS:
+        _POST_FORWARD_GROUPS[block] = dist.new_group(list(block), use_local_synchronization=True)
+    return _POST_FORWARD_GROUPS[block]
 
 
 def _mesh_device(mesh: DeviceMesh) -> torch.device:
@@ -240,10 +255,10 @@ def fully_shard(
     replicated = strategy is Strategy.NO_SHARD
     mp = as_mp_policy(mp_policy, name)
     offload = as_offload_policy(offload_policy, name)
-    if reshard_after_forward is not None and not isinstance(reshard_after_forward, bool):
+    if reshard_after_forward is not None and not isinstance(reshard_after_forward, (bool, int)):
         raise ValueError(
-            f"fully_shard({name}): reshard_after_forward={reshard_after_forward!r} is not supported; "
-            "use True, False or None"
+            f"fully_shard({name}): reshard_after_forward={reshard_after_forward!r} must be True, False, None "
+            "or an int (the size of the group to reshard to after forward)"
         )
     mesh = mesh if mesh is not None else _default_mesh()
     if mesh.ndim not in (1, 2):
@@ -260,6 +275,16 @@ def fully_shard(
     # The last mesh dim shards; a leading dim (HSDP) replicates and all-reduces gradients.
     shard_dim = mesh.ndim - 1
     rank, world = mesh.get_local_rank(shard_dim), mesh.size(shard_dim)
+    post_forward_size = None
+    if isinstance(reshard_after_forward, int) and not isinstance(reshard_after_forward, bool):
+        size = reshard_after_forward
+        if size < 1 or world % size:
+            raise ValueError(
+                f"fully_shard({name}): reshard_after_forward={size} must divide the shard world size {world} "
+                f"(e.g. the ranks of one node); use True to reshard fully"
+            )
+        reshard_after_forward = size != 1  # size == world: plain resharding; 1: keep unsharded
+        post_forward_size = size if 1 < size < world else None
 
     ignored = {id(p) for p in (ignored_params or ())}
     all_params = {id(p) for m in modules for p in m.parameters()}
@@ -335,6 +360,8 @@ def fully_shard(
             replicate_group=mesh.get_group(0) if mesh.ndim == 2 else None,
             all_reduce=flags.all_reduce, reshard_after_backward=flags.reshard_after_backward,
         )
+        if post_forward_size is not None:
+            group.post_forward_group = _post_forward_group(mesh.get_group(shard_dim), post_forward_size)
     state = ShardState(modules, group, mp, reshard_after_forward, strategy)
     for m in modules:
         m._fullshard_state = state

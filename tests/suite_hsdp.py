@@ -1,6 +1,10 @@
 """HSDP scenarios (issue 3) on 4 gloo ranks: a 2x2 (replicate, shard) mesh against the reference."""
 from __future__ import annotations
 
+import gc
+
+import torch.distributed as dist
+
 import torch
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
@@ -54,4 +58,43 @@ def hsdp_accumulate_without_all_reduce():
 
 
 def suite():
-    return {fn.__name__: fn for fn in [hsdp_placements, hsdp_parity, hsdp_parity_bf16_dim1, hsdp_accumulate_without_all_reduce]}
+    return {fn.__name__: fn for fn in [
+        hsdp_placements, hsdp_parity, hsdp_parity_bf16_dim1, hsdp_accumulate_without_all_reduce,
+    ] + EXTRA}
+
+
+def reshard_after_forward_to_smaller_group():
+    """reshard_after_forward=2 on 4 ranks: backward all-gathers within pairs, from half-size kept chunks."""
+    import fullshard.runtime.collectives as collectives
+    from fullshard.buffers import comm_bytes
+    from tests.parity import mesh_1d
+
+    mesh = mesh_1d()
+    run_parity(build_gpt, lambda m: shard_blocks_then_root(m, mesh=mesh, reshard_after_forward=2))
+    run_parity(build_gpt, lambda m: shard_blocks_then_root(m, mesh=mesh, reshard_after_forward=2),
+               micro_batches=2, global_batch=8)
+    sizes, original = [], collectives._all_gather
+
+    def recording(out, inp, group=None, async_op=False):
+        sizes.append(dist.get_world_size(group))
+        return original(out, inp, group=group, async_op=async_op)
+
+    gc.collect()
+    model = shard_blocks_then_root(build_gpt(), mesh=mesh, reshard_after_forward=2)
+    collectives._all_gather = recording
+    try:
+        before = comm_bytes()["live"]
+        loss = gpt_loss(model, gpt_batch(0, 4))
+        kept = comm_bytes()["live"] - before
+        forward_sizes, sizes[:] = list(sizes), []
+        loss.backward()
+    finally:
+        collectives._all_gather = original
+    full_bytes = sum(p.numel() * 4 for p in model.parameters())
+    assert set(forward_sizes) == {4} and set(sizes) == {2}, (forward_sizes, sizes)
+    # every unit (the root too: the int was passed to it explicitly) keeps the chunks of 2 of 4 ranks
+    assert kept == full_bytes // 2, (kept, full_bytes)
+    return {"forward_group_sizes": forward_sizes, "backward_group_sizes": sizes, "kept_bytes": kept}
+
+
+EXTRA = [reshard_after_forward_to_smaller_group]

@@ -40,12 +40,32 @@ def wait(work, what: str) -> None:
         raise CollectiveError(f"{what} failed on rank {dist.get_rank()}: {error}") from error
 
 
-def _rank_chunks(flat: torch.Tensor, bucket: BucketLayout, index: int, param: ShardedParam) -> list[torch.Tensor]:
-    """The padded chunk of member ``index`` in every rank's part of a rank-major buffer."""
+def _rank_chunks(
+    flat: torch.Tensor, bucket: BucketLayout, index: int, param: ShardedParam, ranks: Optional[range] = None
+) -> list[torch.Tensor]:
+    """The padded chunk of member ``index`` for each of ``ranks`` (default: all) in a rank-major buffer."""
+    ranks = ranks if ranks is not None else range(bucket.world)
     start = bucket.offsets[index]
-    per_rank = flat.view(bucket.world, bucket.chunk_numel)
+    per_rank = flat.view(len(ranks), bucket.chunk_numel)
     shape = param.layout.padded_chunk_shape
-    return [per_rank[r, start : start + param.layout.padded_chunk_numel].view(shape) for r in range(bucket.world)]
+    return [per_rank[row, start : start + param.layout.padded_chunk_numel].view(shape) for row in range(len(ranks))]
+
+
+def pack_rank_chunks(
+    flat: torch.Tensor, bucket: BucketLayout, params: Sequence[ShardedParam],
+    fulls: Sequence[Optional[torch.Tensor]], ranks: Optional[range] = None,
+) -> None:
+    """Write each full tensor's chunks for ``ranks`` into a rank-major buffer (padding zeroed; None: zeros)."""
+    ranks = ranks if ranks is not None else range(bucket.world)
+    for index, (param, full) in enumerate(zip(params, fulls)):
+        layout = param.layout
+        for rank, chunk in zip(ranks, _rank_chunks(flat, bucket, index, param, ranks)):
+            length = layout.local_length(rank)
+            if full is None:
+                chunk.zero_()
+                continue
+            chunk.narrow(layout.dim, 0, length).copy_(full.narrow(layout.dim, layout.local_offset(rank), length))
+            chunk.narrow(layout.dim, length, layout.chunk - length).zero_()
 
 
 class PendingGather:
@@ -91,12 +111,19 @@ def gather_bucket(
     output: Owned,
     group: dist.ProcessGroup,
     label: str,
+    kept: Optional[Owned] = None,
 ) -> PendingGather:
-    """Start the all-gather of one bucket into ``output`` (owned, already sized)."""
+    """Start the all-gather of one bucket into ``output`` (owned, already sized).
+
+    ``kept``: the chunks this rank kept after a partial reshard (``reshard_after_forward=k``);
+    gathered over the smaller ``group`` instead of packing the shards.
+    """
     dtype = params[0].compute_dtype
     with torch.no_grad():
-        if plan.input is Ownership.BORROWED:
-            source: Owned | Borrowed = buffers.borrow(params[0].padded_chunk.view(-1), f"sharded storage of {label}")
+        if kept is not None:
+            source: Owned | Borrowed = kept
+        elif plan.input is Ownership.BORROWED:
+            source = buffers.borrow(params[0].padded_chunk.view(-1), f"sharded storage of {label}")
         else:
             source = buffers.allocate(bucket.chunk_numel, dtype, output.tensor.device, f"all-gather input of {label}")
             flat = source.writable("pack the all-gather input")
@@ -196,18 +223,8 @@ def reduce_bucket(
         if plan.input is Ownership.BORROWED:
             source: Owned | Borrowed = buffers.borrow(grads[0].view(-1), f"gradient of {label}")
         else:
-            needs_zero = any(g is None for g in grads) or any(p.layout.needs_padding for p in params)
-            source = buffers.allocate(
-                bucket.total_numel, reduce_dtype, device, f"reduce-scatter input of {label}", zero=needs_zero
-            )
-            flat = source.writable("pack the reduce-scatter input")
-            for index, (param, grad) in enumerate(zip(params, grads)):
-                if grad is None:
-                    continue
-                layout = param.layout
-                for rank, chunk in enumerate(_rank_chunks(flat, bucket, index, param)):
-                    length = layout.local_length(rank)
-                    chunk.narrow(layout.dim, 0, length).copy_(grad.narrow(layout.dim, layout.local_offset(rank), length))
+            source = buffers.allocate(bucket.total_numel, reduce_dtype, device, f"reduce-scatter input of {label}")
+            pack_rank_chunks(source.writable("pack the reduce-scatter input"), bucket, params, grads)
         present = [g is not None for g in grads]
         if all_reduce:
             work = dist.all_reduce(source.writable("all-reduce in place"), op=dist.ReduceOp.SUM, group=group, async_op=True)

@@ -23,6 +23,7 @@ from fullshard.runtime.collectives import (
     PendingReduce,
     all_reduce_in_place,
     gather_bucket,
+    pack_rank_chunks,
     reduce_bucket,
 )
 from fullshard.runtime import finite
@@ -63,6 +64,10 @@ class ParamGroup:
         self.replicas = dist.get_world_size(replicate_group) if replicate_group is not None else 1
         self.all_reduce_grads = True
         self._partials: dict[int, Owned] = {}
+        # reshard_after_forward=k: after forward each rank keeps the chunks of
+        # W/k ranks, so backward gathers within a group of k ranks only.
+        self.post_forward_group: Optional[dist.ProcessGroup] = None
+        self._kept: list[Owned] = []
         self.module_name = module_name
         self._reduce_dtype = reduce_dtype
         self._fuse_below_numel = DEFAULT_FUSE_BELOW_NUMEL if fuse_below_numel is None else fuse_below_numel
@@ -119,6 +124,9 @@ class ParamGroup:
             self.mark_stale()
         if self.state is not GroupState.SHARDED:
             return
+        kept, self._kept = self._kept, []
+        if kept and self._shards_changed():
+            buffers.release_all(kept)  # the shards moved on: gather them afresh
         for param in self.params:
             param.gathered_version = param.shard_version()
         if self.all_reduce:
@@ -129,9 +137,13 @@ class ParamGroup:
         for index, (bucket, plan) in enumerate(zip(self.buckets, self.gather_plans)):
             members = [self.params[i] for i in bucket.members]
             output = self._gather_output(index, device, members)
-            self._pending_gathers.append(
-                gather_bucket(bucket, plan, members, output, self.process_group, self.labels[index])
-            )
+            if kept:
+                pending = gather_bucket(
+                    bucket, plan, members, output, self.post_forward_group, self.labels[index], kept=kept[index]
+                )
+            else:
+                pending = gather_bucket(bucket, plan, members, output, self.process_group, self.labels[index])
+            self._pending_gathers.append(pending)
         self.state = GroupState.UNSHARDING
 
     def _unshard_replicated(self) -> None:
@@ -199,6 +211,34 @@ class ParamGroup:
             for gather in pending:
                 gather.finish()
             self.state = GroupState.UNSHARDED
+
+    def reshard_after_forward(self) -> None:
+        """Fully, or to the post-forward group when ``reshard_after_forward`` was an int."""
+        if self.post_forward_group is not None:
+            self.reshard_partially()
+        else:
+            self.reshard()
+
+    def reshard_partially(self) -> None:
+        """Keep this rank's chunks for its post-forward group, then free the unsharded storage."""
+        self.wait_for_unshard()
+        if self.state is GroupState.SHARDED:
+            return
+        group_size = dist.get_world_size(self.post_forward_group)
+        span = self.world // group_size
+        first = (dist.get_rank(self.process_group) % group_size) * span
+        ranks = range(first, first + span)
+        with torch.no_grad():
+            for index, bucket in enumerate(self.buckets):
+                members = [self.params[i] for i in bucket.members]
+                kept = buffers.allocate(
+                    span * bucket.chunk_numel, members[0].compute_dtype, members[0].device,
+                    f"post-forward chunks of {self.labels[index]}",
+                )
+                pack_rank_chunks(kept.writable("keep chunks after forward"), bucket, members,
+                                 [p.unsharded.detach() for p in members], ranks)
+                self._kept.append(kept)
+        self.reshard()
 
     def reshard(self) -> None:
         """Free the unsharded storage (owned by fullshard; autograd's references stay valid objects)."""

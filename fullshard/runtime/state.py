@@ -183,7 +183,7 @@ class ShardState:
             if all_ran:
                 self._forward_done.clear()
                 if self.reshard_after_forward and not _in_backward():
-                    self.group.reshard()
+                    self.group.reshard_after_forward()
             if torch.is_grad_enabled():
                 self._hook_outputs_for_backward(output)
         if self.mp_policy.output_dtype is not None:
@@ -198,7 +198,7 @@ class ShardState:
         for state in self.subtree:
             state._forward_done.clear()
             if state.group is not None and state.reshard_after_forward and state is not self:
-                state.group.reshard()
+                state.group.reshard_after_forward()
 
     def _hook_outputs_for_backward(self, output: Any) -> None:
         tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
