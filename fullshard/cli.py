@@ -40,6 +40,8 @@ def _parser() -> argparse.ArgumentParser:
     train = sub.add_parser("train", help="train a small GPT on text with N sharded processes")
     train.add_argument("--nproc", type=int, default=2, help="processes on this machine (default 2)")
     train.add_argument("--model", default="small", help="tiny | small | medium (default small)")
+    train.add_argument("--hf-config", help="train a Hugging Face causal LM from a config instead (needs "
+                       "transformers): a model type (llama, qwen2, ...), a config.json path or inline JSON")
     train.add_argument("--strategy", default="optim_grads_params", help=" | ".join(STRATEGIES))
     train.add_argument("--mixed-precision", default="fp32", help="fp32 | bf16 (bf16 compute, fp32 reduce)")
     train.add_argument("--grad-accum", type=int, default=1, help="micro-batches per step")
@@ -59,6 +61,8 @@ def _parser() -> argparse.ArgumentParser:
     estimate = sub.add_parser("estimate", help="memory and traffic per rank, from the planning code")
     estimate.add_argument("--params", type=float, help="number of parameters, e.g. 7e9")
     estimate.add_argument("--model", help="count the parameters of a fullshard GPT size instead")
+    estimate.add_argument("--hf-config", help="count a Hugging Face model built from this config (on meta)")
+    estimate.add_argument("--model-class", help="count module:Class, built with no arguments on the meta device")
     estimate.add_argument("--nproc", type=int, required=True)
     estimate.add_argument("--strategy", default="optim_grads_params")
     estimate.add_argument("--mixed-precision", default="fp32")
@@ -100,10 +104,12 @@ def _train_config(args):
             expand_paths(args.data)
         except FileNotFoundError as error:
             raise UsageError(str(error)) from None
+    if args.hf_config:
+        _require_transformers()
     if (args.resume or args.checkpoint_every) and not args.checkpoint_dir:
         raise UsageError("--resume and --checkpoint-every need --checkpoint-dir")
     return TrainConfig(
-        model=args.model, strategy=args.strategy, mixed_precision=args.mixed_precision, grad_accum=args.grad_accum,
+        model=args.model, hf_config=args.hf_config, strategy=args.strategy, mixed_precision=args.mixed_precision, grad_accum=args.grad_accum,
         steps=args.steps, batch_size=args.batch_size, lr=args.lr, seed=args.seed, data=args.data,
         checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every, resume=args.resume,
         out_dir=args.out, device=args.device, timeout_s=args.timeout,
@@ -176,34 +182,72 @@ def estimate(args) -> int:
     _check_common(args)
     if args.optimizer not in ("adamw", "sgd"):
         raise UsageError(f"unknown --optimizer {args.optimizer!r}; choose adamw or sgd")
-    if args.model:
-        from fullshard.models.gpt import GPT, MODEL_SIZES
-
-        if args.model not in MODEL_SIZES:
-            raise UsageError(f"unknown --model {args.model!r}; choose one of {', '.join(MODEL_SIZES)}")
-        model = GPT(MODEL_SIZES[args.model])
-        num_params = sum(p.numel() for p in model.parameters())
-        largest = max(sum(p.numel() for p in layer.parameters()) for layer in model.layers)
-    elif args.params:
+    if args.params:
         num_params = int(args.params)
         largest = int(args.largest_unit) if args.largest_unit else max(1, num_params // 32)
     else:
-        raise UsageError("give --params N or --model NAME")
+        units = _count_model(args)
+        num_params, largest = units["num_params"], units["largest_unit"]
     strategy = Strategy.parse(args.strategy)
     compute = 2 if args.mixed_precision == "bf16" else 4
     optim = 8 if args.optimizer == "adamw" else 0
     memory = peak_state_bytes(strategy, args.nproc, num_params, largest, 4, 4, optim, compute_bytes=compute)
     traffic = traffic_bytes_per_step(strategy, args.nproc, num_params, gather_bytes=compute, reduce_bytes=4)
-    gib = 2**30
     print(f"{num_params / 1e9:.3f}B parameters, {args.nproc} ranks, {strategy.value}, {args.mixed_precision}, {args.optimizer}")
     print("per rank:")
     for key in ("params", "grads", "optim", "unsharded", "total"):
-        print(f"  {key:<16}{memory[key] / gib:10.2f} GiB")
+        print(f"  {key:<16}{format_bytes(memory[key])}")
     print("bytes moved per step per rank:")
     for key, value in traffic.items():
         if value:
-            print(f"  {key:<16}{value / gib:10.2f} GiB")
+            print(f"  {key:<16}{format_bytes(value)}")
     return 0
+
+
+def format_bytes(nbytes: float) -> str:
+    return f"{nbytes / 2**30:10.2f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:10.2f} MiB"
+
+
+def _require_transformers() -> None:
+    try:
+        import transformers  # noqa: F401
+    except ImportError:
+        raise UsageError("--hf-config needs the transformers package: pip install transformers") from None
+
+
+def _count_model(args) -> dict[str, int]:
+    """Parameter counts of the model named by --model, --hf-config or --model-class, built on meta."""
+    import importlib
+
+    import torch
+
+    from fullshard.models.gpt import MODEL_SIZES
+    from fullshard.train.models import ModelSpec, count_units
+
+    if args.model_class:
+        module_name, _, class_name = args.model_class.partition(":")
+        try:
+            cls = getattr(importlib.import_module(module_name), class_name)
+        except (ImportError, AttributeError, ValueError) as error:
+            raise UsageError(f"--model-class {args.model_class!r}: {error}") from None
+        try:
+            with torch.device("meta"):
+                model = cls()
+        except TypeError as error:
+            raise UsageError(f"--model-class {args.model_class!r} must build with no arguments: {error}") from None
+        if not hasattr(model, "layers"):
+            total = sum(p.numel() for p in model.parameters())
+            largest = max((sum(p.numel() for p in c.parameters()) for c in model.children()), default=total)
+            return {"num_params": total, "largest_unit": largest, "root_params": 0}
+        return count_units(model)
+    if args.hf_config:
+        _require_transformers()
+    elif not args.model:
+        raise UsageError("give --params N, --model NAME, --hf-config CONFIG or --model-class module:Class")
+    elif args.model not in MODEL_SIZES:
+        raise UsageError(f"unknown --model {args.model!r}; choose one of {', '.join(MODEL_SIZES)}")
+    with torch.device("meta"):
+        return count_units(ModelSpec(args.model or "small", args.hf_config).build(seed=0))
 
 
 def main(argv: Optional[list[str]] = None) -> int:

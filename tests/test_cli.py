@@ -1,4 +1,5 @@
 """The main job end to end (issue 6): fullshard train / estimate as a user runs them."""
+import importlib.util
 import json
 import shutil
 import subprocess
@@ -7,7 +8,10 @@ from pathlib import Path
 
 import pytest
 
+from fullshard.cli import format_bytes
+from fullshard.models.gpt import GPT, MODEL_SIZES
 from fullshard.plan.strategy import Strategy, peak_state_bytes
+from fullshard.train.models import count_units
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = ["--model", "tiny", "--batch-size", "4", "--nproc", "2"]
@@ -92,5 +96,24 @@ def test_estimate_prints_the_planning_formulas():
                      "--mixed-precision", "bf16", "--optimizer", "adamw", timeout=60)
     assert proc.returncode == 0, proc.stderr
     expected = peak_state_bytes(Strategy.OPTIM_GRADS_PARAMS, 64, 7_000_000_000, 7_000_000_000 // 32, compute_bytes=2)
-    assert f"{expected['optim'] / 2**30:10.2f} GiB" in proc.stdout
-    assert f"{expected['total'] / 2**30:10.2f} GiB" in proc.stdout
+    assert format_bytes(expected["optim"]) in proc.stdout and format_bytes(expected["total"]) in proc.stdout
+
+
+def test_estimate_counts_a_model_class_and_a_gpt_size():
+    proc = fullshard("estimate", "--model", "medium", "--nproc", "2", timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    units = count_units(GPT(MODEL_SIZES["medium"]))
+    expected = peak_state_bytes(Strategy.OPTIM_GRADS_PARAMS, 2, units["num_params"], units["largest_unit"])
+    assert format_bytes(expected["total"]) in proc.stdout
+    bad = fullshard("estimate", "--model-class", "fullshard.models.gpt:GPT", "--nproc", "2", timeout=60)
+    assert bad.returncode == 2 and "no arguments" in bad.stderr
+
+
+@pytest.mark.skipif(importlib.util.find_spec("transformers") is None, reason="transformers is not installed")
+def test_train_a_hugging_face_llama_from_config(tmp_path):
+    proc = fullshard("train", "--hf-config", "llama", "--nproc", "2", "--batch-size", "4", "--steps", "6",
+                     "--verify", "--out", str(tmp_path), timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert report["config"]["hf_config"] == "llama" and report["max_loss_deviation"] < 1e-4
+    assert report["train_loss"][-1] < report["train_loss"][0]

@@ -6,7 +6,6 @@ import json
 from pathlib import Path
 from typing import Optional
 
-from fullshard.models.gpt import GPT, MODEL_SIZES
 from fullshard.plan.strategy import Strategy, peak_state_bytes, traffic_bytes_per_step
 
 
@@ -14,12 +13,9 @@ def _mib(nbytes: float) -> str:
     return f"{nbytes / 2**20:8.2f} MiB"
 
 
-def theoretical(cfg, world: int) -> dict:
+def theoretical(cfg, world: int, units: dict[str, int]) -> dict:
     """What the planning code predicts for this run (per rank)."""
-    model = GPT(MODEL_SIZES[cfg.model])
-    num_params = sum(p.numel() for p in model.parameters())
-    largest_unit = max(sum(p.numel() for p in layer.parameters()) for layer in model.layers)
-    root_params = num_params - sum(p.numel() for layer in model.layers for p in layer.parameters())
+    num_params, largest_unit, root_params = units["num_params"], units["largest_unit"], units["root_params"]
     compute_bytes = 2 if cfg.mixed_precision == "bf16" else 4
     strategy = Strategy.parse(cfg.strategy)
     memory = peak_state_bytes(
@@ -40,7 +36,7 @@ def write_report(cfg, results: list[dict], out_dir: Path, reference: Optional[di
     first = results[0]
     steps = sorted(int(s) for s in first["losses"])
     losses = [first["losses"][str(s)] if str(s) in first["losses"] else first["losses"][s] for s in steps]
-    theory = theoretical(cfg, world)
+    theory = theoretical(cfg, world, first["units"])
     summary = {
         "config": {k: v for k, v in vars(cfg).items()},
         "world_size": world,
@@ -71,7 +67,8 @@ def format_table(summary: dict) -> str:
     theory = summary["theory"]
     mem, traffic = theory["memory"], theory["traffic"]
     lines = [
-        f"fullshard train: {summary['config']['model']} GPT, {theory['num_params'] / 1e6:.2f}M params, "
+        f"fullshard train: {summary['config']['hf_config'] or summary['config']['model'] + ' GPT'}, "
+        f"{theory['num_params'] / 1e6:.2f}M params, "
         f"{summary['world_size']} ranks, strategy {summary['config']['strategy']}, "
         f"{summary['config']['mixed_precision']}",
         f"  train loss   {summary['train_loss'][0]:.4f} -> {summary['train_loss'][-1]:.4f}   "

@@ -20,9 +20,9 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from fullshard.models.gpt import GPT, MODEL_SIZES
 from fullshard.runtime.collectives import traffic
 from fullshard.train.data import ByteCorpus
+from fullshard.train.models import ModelSpec, count_units
 from fullshard.train.progress import Progress
 
 EVAL_BATCHES = 4
@@ -31,6 +31,7 @@ EVAL_BATCHES = 4
 @dataclass
 class TrainConfig:
     model: str = "small"
+    hf_config: Optional[str] = None
     strategy: str = "optim_grads_params"
     mixed_precision: str = "fp32"
     grad_accum: int = 1
@@ -59,19 +60,23 @@ class RankResult:
     grad_bytes: int = 0
     optim_bytes: int = 0
     start_step: int = 0
+    units: dict[str, int] = field(default_factory=dict)  # parameter counts (see models.count_units)
     traffic: dict[str, int] = field(default_factory=dict)  # collective bytes of the last step
 
 
-def build_model(cfg: TrainConfig) -> GPT:
-    torch.manual_seed(cfg.seed)  # the same full initial weights at every world size
-    return GPT(MODEL_SIZES[cfg.model])
+def model_spec(cfg: TrainConfig) -> ModelSpec:
+    return ModelSpec(cfg.model, cfg.hf_config)
+
+
+def build_model(cfg: TrainConfig) -> nn.Module:
+    return model_spec(cfg).build(cfg.seed)
 
 
 def make_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
     return torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.1)
 
 
-def shard(model: GPT, cfg: TrainConfig) -> GPT:
+def shard(model: nn.Module, cfg: TrainConfig) -> nn.Module:
     from fullshard import MixedPrecisionPolicy, fully_shard
 
     mp = MixedPrecisionPolicy()
@@ -138,10 +143,11 @@ def run_rank(cfg: TrainConfig) -> dict:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     device = torch.device(cfg.device, torch.cuda.current_device()) if cfg.device == "cuda" else torch.device("cpu")
     corpus = ByteCorpus.load(cfg.data)
-    seq_len = MODEL_SIZES[cfg.model].seq_len
-    model = shard(build_model(cfg), cfg)
+    model = build_model(cfg)
+    seq_len = model_spec(cfg).seq_len(model)
+    result = RankResult(rank, world, units=count_units(model))
+    model = shard(model, cfg)
     optimizer = make_optimizer(model, cfg)
-    result = RankResult(rank, world)
     start = load_checkpoint(cfg, model, optimizer) if cfg.resume else 0
     result.start_step = start
     micro = cfg.batch_size // world // cfg.grad_accum
@@ -175,7 +181,7 @@ def run_rank(cfg: TrainConfig) -> dict:
         if cfg.checkpoint_dir and cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0:
             save_checkpoint(cfg, model, optimizer, step + 1)
     progress.close()
-    result.val_loss = evaluate(model, corpus, cfg, rank, world, device)
+    result.val_loss = evaluate(model, corpus, cfg, seq_len, rank, world, device)
     result.tokens_per_s = tokens_done / timed if timed else 0.0
     result.param_bytes = _local_bytes(model.parameters())
     result.optim_bytes = _local_bytes(v for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v))
@@ -186,8 +192,7 @@ def run_rank(cfg: TrainConfig) -> dict:
 
 
 @torch.no_grad()
-def evaluate(model, corpus: ByteCorpus, cfg: TrainConfig, rank: int, world: int, device) -> float:
-    seq_len = MODEL_SIZES[cfg.model].seq_len
+def evaluate(model, corpus: ByteCorpus, cfg: TrainConfig, seq_len: int, rank: int, world: int, device) -> float:
     total = torch.zeros((), device=device)
     for index in range(EVAL_BATCHES):
         tokens, targets = corpus.batch("val", cfg.seed, index, max(world, cfg.batch_size), seq_len)
@@ -200,8 +205,8 @@ def reference_losses(cfg: TrainConfig) -> dict[int, float]:
     """Single-process training on the same global batches (from step 0): what the sharded run must match."""
     torch.set_num_threads(max(1, torch.get_num_threads()))
     corpus = ByteCorpus.load(cfg.data)
-    seq_len = MODEL_SIZES[cfg.model].seq_len
     model = build_model(cfg)
+    seq_len = model_spec(cfg).seq_len(model)
     optimizer = make_optimizer(model, cfg)
     losses = {}
     for step in range(cfg.steps):
