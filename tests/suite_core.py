@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import functools
 
+import pytest
+
 import torch
 import torch.nn as nn
 from torch.distributed.fsdp import MixedPrecisionPolicy as TorchMixedPrecisionPolicy
@@ -197,5 +199,64 @@ def suite():
     return {fn.__name__: fn for fn in [
         api_surface, default_gpt, default_gpt_unfused, default_gpt_all_fused, no_reshard_after_forward,
         seed_config_fp32_reduce, bf16_compute_fp32_reduce, torch_layers_model, dim1_sharding, uneven_shapes,
-        tied_weights, gradient_accumulation, clip_grad_norm,
+        tied_weights, gradient_accumulation, clip_grad_norm, mixed_precision_casts_inputs_and_outputs,
+        no_sync_and_reshard_after_backward_controls,
     ]}
+
+
+def mixed_precision_casts_inputs_and_outputs():
+    """param_dtype casts float inputs (cast_forward_inputs) and compute; output_dtype casts outputs."""
+    mesh = mesh_1d()
+    seen = {}
+
+    class Probe(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.linear = nn.Linear(4, 4)
+
+        def forward(self, x, scale):
+            seen["input"], seen["weight"], seen["int"] = x.dtype, self.linear.weight.dtype, scale.dtype
+            return self.linear(x), scale
+
+    model = Probe()
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32, output_dtype=torch.float16)
+    fully_shard(model, mesh=mesh, mp_policy=mp)
+    out, scale = model(torch.randn(2, 4), torch.tensor([3]))
+    assert seen == {"input": torch.bfloat16, "weight": torch.bfloat16, "int": torch.int64}, seen
+    assert out.dtype == torch.float16 and scale.dtype == torch.int64
+    out.float().sum().backward()
+    assert model.linear.weight.grad.dtype == torch.float32  # reduced in fp32 into the fp32 shard
+    no_cast = Probe()
+    fully_shard(no_cast, mesh=mesh, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, cast_forward_inputs=False))
+    no_cast(torch.randn(2, 4).bfloat16(), torch.tensor([1]))
+    assert seen["input"] == torch.bfloat16
+    with pytest.raises(RuntimeError):  # float32 input with bf16 weights and no cast: torch refuses
+        no_cast(torch.randn(2, 4), torch.tensor([1]))
+    return True
+
+
+def no_sync_and_reshard_after_backward_controls():
+    """no_sync() accumulates locally; set_reshard_after_backward(False) keeps parameters for the next micro-batch."""
+    from fullshard.accounting import reset_traffic, traffic_bytes
+
+    mesh = mesh_1d()
+    model = shard_blocks_then_root(build_gpt(), mesh=mesh)
+    tokens = torch.randint(0, 64, (2, 16))
+    model.set_reshard_after_backward(False)
+    reset_traffic()
+    with model.no_sync():
+        model(tokens).sum().backward()
+    first = traffic_bytes()
+    reset_traffic()
+    with model.no_sync():
+        model(tokens).sum().backward()
+    second = traffic_bytes()
+    assert first["reduce_scatter"] == second["reduce_scatter"] == 0, (first, second)
+    # the second forward finds every unit still gathered; only backward re-gathers what forward resharded
+    full_bytes = sum(p.numel() * 4 for p in model.parameters())
+    assert second["all_gather"] == first["all_gather"] - full_bytes, (first, second)
+    assert all(p.grad is None for p in model.parameters())
+    model.set_reshard_after_backward(True)
+    model(tokens).sum().backward()  # synced: the sum of three micro-batches
+    assert all(p.grad is not None for p in model.parameters())
+    return {"first": first, "second": second}

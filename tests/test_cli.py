@@ -117,3 +117,19 @@ def test_train_a_hugging_face_llama_from_config(tmp_path):
     report = json.loads((tmp_path / "report.json").read_text())
     assert report["config"]["hf_config"] == "llama" and report["max_loss_deviation"] < 1e-4
     assert report["train_loss"][-1] < report["train_loss"][0]
+
+
+def test_runs_unchanged_under_torchrun_on_user_data(tmp_path):
+    data = tmp_path / "texts"
+    data.mkdir()
+    for index in range(3):
+        (data / f"part{index}.txt").write_text("the quick brown fox jumps over the lazy dog\n" * 200)
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "fullshard", "train",
+         "--model", "tiny", "--batch-size", "4", "--steps", "8", "--data", str(data), "--out", str(tmp_path / "out")],
+        cwd=ROOT, capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads((tmp_path / "out" / "report.json").read_text())
+    assert report["world_size"] == 2 and report["train_loss"][-1] < report["train_loss"][0]
+    assert proc.stdout.count("fullshard train:") == 1  # one report, from rank 0
