@@ -158,3 +158,36 @@ def nonfinite_gradient_is_reported_by_name():
 
 
 SUITE_EXTRA = [nonfinite_gradient_is_reported_by_name]
+
+
+def second_thread_during_backward_is_detected():
+    import threading
+
+    model = shard_blocks_then_root(build_gpt(), mesh=mesh_1d())
+    tokens = torch.randint(0, 64, (2, 16))
+    caught = []
+
+    def intruder():
+        try:
+            model(tokens)
+        except RuntimeError as error:
+            caught.append(str(error))
+
+    def during_backward(grad):
+        thread = threading.Thread(target=intruder)
+        thread.start()
+        thread.join()
+        return grad
+
+    def hook_block_output(module, inputs, output):  # a point deep inside backward: this output's gradient
+        output.register_hook(during_backward)
+
+    handle = model.layers[0].register_forward_hook(hook_block_output)
+    model(tokens).sum().backward()
+    handle.remove()
+    assert caught and "another thread" in caught[0], caught
+    model(tokens).sum().backward()  # the owning thread carries on
+    return caught[0]
+
+
+SUITE_EXTRA.append(second_thread_during_backward_is_detected)

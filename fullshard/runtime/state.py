@@ -64,6 +64,7 @@ class ShardState:
         self.backward_prefetch: list[ShardState] = []
         self._forward_done: set[int] = set()
         self._final_callback_queued = False
+        self._forward_thread: Optional[int] = None
         self._pending_reduces: list[PendingReduce] = []
         self.is_last_backward = True
         if group is not None:
@@ -157,9 +158,11 @@ class ShardState:
 
     # ------------------------------------------------------------------ forward
     def _pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        self._check_not_used_during_backward(module)
         if _active_root() is None:
             self._lazy_init_as_root()
             _active.root = self
+            self._forward_thread = threading.get_ident()
             for state in self.subtree:  # cheap identity checks: re-adopt replaced parameters
                 if state.group is not None:
                     state.group.refresh_sharded()
@@ -192,6 +195,24 @@ class ShardState:
             self._finish_root_forward()
             _active.root = None
         return output
+
+    def _check_not_used_during_backward(self, module: nn.Module) -> None:
+        """A forward from another thread while this model's backward runs would race on its buffers."""
+        root = self.root or self
+        if not root._final_callback_queued or _in_backward():
+            return  # no backward in flight, or a recomputation inside it (activation checkpointing)
+        if threading.get_ident() == root._forward_thread:
+            # The same thread is not inside that backward any more: it raised. Start clean.
+            root._final_callback_queued = False
+            root._pending_reduces.clear()
+            for state in root.subtree:
+                if state.group is not None:
+                    state.group.reset_backward()
+            return
+        raise RuntimeError(
+            f"{type(module).__name__} (fully_shard) was called from another thread while its backward is "
+            "running on the thread that ran its forward; run forward and backward of one model from one thread"
+        )
 
     def _finish_root_forward(self) -> None:
         # Groups of several modules where not all ran still follow their policy.
