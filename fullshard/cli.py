@@ -134,10 +134,19 @@ def _launch(cfg, nproc: int) -> list[dict]:
         start_method="spawn",
     )
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     try:
         returned = elastic_launch(config, worker_entry)(json.dumps(asdict(cfg)))
+    except (SignalException, KeyboardInterrupt) as error:
+        where = ""
+        if cfg.checkpoint_dir:
+            from fullshard.checkpoint import latest_step
+
+            step = latest_step(Path(cfg.checkpoint_dir))
+            where = f"; the last complete checkpoint is step {step}: continue with --resume" if step else ""
+        raise WorkerFailed(f"interrupted ({error or 'keyboard interrupt'}){where}") from None
     except ChildFailedError as error:
         rank, failure = error.get_first_failure()
         raise WorkerFailed(

@@ -219,4 +219,30 @@ def suite():
     return {fn.__name__: fn for fn in [
         seed_config_even_dim0, seed_config_padded_dim0, seed_config_even_dim1, seed_config_padded_dim1,
         gradients_sharing_one_storage, low_precision_stored_fp32_reduce, padding_path_reclaims_its_buffers,
+        soak_500_steps_flat_buffer_count,
     ]}
+
+
+def soak_500_steps_flat_buffer_count():
+    """500 steps with the sanitizer on: the number of live owned buffers and their bytes stay flat."""
+    mesh = mesh_1d()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    gc.collect()
+    torch.manual_seed(0)
+    model = MLP([7, 12, 5, 3])
+    for layer in model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)  # cheap: the soak is about buffers, not the optimizer
+    counts, sizes = [], []
+    for step in range(500):
+        x, y = _batch_for(7, 3)(step, 2 * world)
+        _mse(model, (x.chunk(world)[rank], y.chunk(world)[rank])).backward()
+        opt.step()
+        opt.zero_grad()
+        counts.append(buffers.live_owned_buffers())
+        sizes.append(buffers.comm_bytes()["live"])
+    assert len(set(sizes[1:])) == 1, f"owned bytes drift: {sizes[1:4]} ... {sizes[-3:]}"
+    if buffers.check_ownership_enabled():
+        assert len(set(counts[1:])) == 1, f"owned buffer count drifts: {counts[1:4]} ... {counts[-3:]}"
+    return {"owned_buffers": counts[-1], "owned_bytes": sizes[-1]}

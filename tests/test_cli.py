@@ -1,6 +1,9 @@
 """The main job end to end (issue 6): fullshard train / estimate as a user runs them."""
 import importlib.util
 import json
+import os
+import signal
+import time
 import shutil
 import subprocess
 import sys
@@ -8,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from fullshard.checkpoint import latest_step
 from fullshard.cli import format_bytes
 from fullshard.models.gpt import GPT, MODEL_SIZES
 from fullshard.plan.strategy import Strategy, peak_state_bytes
@@ -133,3 +137,31 @@ def test_runs_unchanged_under_torchrun_on_user_data(tmp_path):
     report = json.loads((tmp_path / "out" / "report.json").read_text())
     assert report["world_size"] == 2 and report["train_loss"][-1] < report["train_loss"][0]
     assert proc.stdout.count("fullshard train:") == 1  # one report, from rank 0
+
+
+@pytest.mark.parametrize("signal_number", [signal.SIGINT, signal.SIGTERM])
+def test_interrupt_keeps_the_last_checkpoint_and_resume_continues(tmp_path, signal_number):
+    ckpt = tmp_path / "ckpt"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "fullshard", "train", *TINY, "--steps", "500", "--checkpoint-dir", str(ckpt),
+         "--checkpoint-every", "2", "--out", str(tmp_path / "run")],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+    )
+    try:
+        deadline = time.monotonic() + 240
+        while latest_step(ckpt) is None:
+            assert proc.poll() is None and time.monotonic() < deadline, "no checkpoint appeared"
+            time.sleep(0.2)
+        os.killpg(proc.pid, signal_number)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode != 0 and "interrupted" in err and "Traceback" not in err.splitlines()[-1]
+    last = latest_step(ckpt)  # a save cut short stays ".partial" and is never taken as the latest
+    assert last >= 2
+    resumed = fullshard("train", *TINY, "--steps", str(last + 2), "--resume", "--checkpoint-dir", str(ckpt),
+                        "--out", str(tmp_path / "resumed"))
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    report = json.loads((tmp_path / "resumed" / "report.json").read_text())
+    assert report["steps"] == [last, last + 1]
