@@ -16,7 +16,8 @@ _EXPORTS = {
     "CPUOffloadPolicy": "fullshard.policies",
     "OwnershipError": "fullshard.buffers",
     "set_check_ownership": "fullshard.buffers",
-    "set_check_finite": "fullshard.runtime.finite",
+    "set_check_finite": "fullshard.runtime.checks",
+    "set_check_inputs": "fullshard.runtime.checks",
     "memory_report": "fullshard.accounting",
     "reset_traffic": "fullshard.accounting",
 }

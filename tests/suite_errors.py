@@ -191,3 +191,21 @@ def second_thread_during_backward_is_detected():
 
 
 SUITE_EXTRA.append(second_thread_during_backward_is_detected)
+
+
+def unequal_batches_are_reported_when_checked():
+    from fullshard import set_check_inputs
+
+    model = shard_blocks_then_root(build_gpt(), mesh=mesh_1d())
+    set_check_inputs(True)
+    try:
+        model(torch.randint(0, 64, (2, 16))).sum().backward()  # equal: fine
+        batch = 2 if dist.get_rank() == 0 else 3
+        with pytest.raises(ValueError, match="same size") as info:
+            model(torch.randint(0, 64, (batch, 16)))
+    finally:
+        set_check_inputs(False)
+    return str(info.value)
+
+
+SUITE_EXTRA.append(unequal_batches_are_reported_when_checked)

@@ -26,7 +26,7 @@ from fullshard.runtime.collectives import (
     pack_rank_chunks,
     reduce_bucket,
 )
-from fullshard.runtime import finite
+from fullshard.runtime import checks
 from fullshard.runtime.param import ShardedParam
 
 # Parameters whose per-rank chunk has fewer elements than this share one
@@ -296,8 +296,8 @@ class ParamGroup:
     def _on_grad_accumulated(self, index: int) -> None:
         self._grads_ready.add(index)
         param = self.params[index]
-        if finite.check_finite_enabled():
-            finite.inspect(param.fqn, param.unsharded.grad)
+        if checks.check_finite_enabled():
+            checks.inspect(param.fqn, param.unsharded.grad)
         if not self.reduce_grads and param.compute_dtype != self.reduce_dtype(param):
             # Accumulating without sync: sum in the reduce dtype (e.g. fp32 for bf16 compute).
             param.accumulate_grad_in(self.reduce_dtype(param), f"gradient accumulator of '{param.fqn}'")

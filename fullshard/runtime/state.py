@@ -28,7 +28,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from fullshard.plan.strategy import Lifecycle, Strategy, lifecycle
 from fullshard.policies import MixedPrecisionPolicy
-from fullshard.runtime import finite
+from fullshard.runtime import checks
 from fullshard.runtime.collectives import PendingReduce
 from fullshard.runtime.group import GroupState, ParamGroup
 
@@ -163,6 +163,9 @@ class ShardState:
             self._lazy_init_as_root()
             _active.root = self
             self._forward_thread = threading.get_ident()
+            groups = [s.group for s in self.subtree if s.group is not None]
+            if checks.check_inputs_enabled() and groups:
+                checks.check_same_input_shapes(args, kwargs, type(module).__name__, groups[0].process_group)
             for state in self.subtree:  # cheap identity checks: re-adopt replaced parameters
                 if state.group is not None:
                     state.group.refresh_sharded()
@@ -291,8 +294,8 @@ class ShardState:
             group.reset_backward()
         self._final_callback_queued = False
         groups = [s.group for s in self.subtree if s.group is not None]
-        if finite.check_finite_enabled() and groups:
-            finite.raise_if_any(groups[0].process_group)
+        if checks.check_finite_enabled() and groups:
+            checks.raise_if_any(groups[0].process_group)
 
 
 def _first_difference(mine: list, theirs: list) -> tuple:
