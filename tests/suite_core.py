@@ -200,7 +200,7 @@ def suite():
         api_surface, default_gpt, default_gpt_unfused, default_gpt_all_fused, no_reshard_after_forward,
         seed_config_fp32_reduce, bf16_compute_fp32_reduce, torch_layers_model, dim1_sharding, uneven_shapes,
         tied_weights, gradient_accumulation, clip_grad_norm, mixed_precision_casts_inputs_and_outputs,
-        no_sync_and_reshard_after_backward_controls,
+        no_sync_and_reshard_after_backward_controls, implicit_prefetch_in_forward_and_backward,
     ]}
 
 
@@ -260,3 +260,31 @@ def no_sync_and_reshard_after_backward_controls():
     model(tokens).sum().backward()  # synced: the sum of three micro-batches
     assert all(p.grad is not None for p in model.parameters())
     return {"first": first, "second": second}
+
+
+def implicit_prefetch_in_forward_and_backward():
+    """From the second step on, the next unit's all-gather is issued before the current unit computes."""
+    from fullshard.runtime.group import GroupState
+
+    mesh = mesh_1d()
+    model = shard_blocks_then_root(build_gpt(), mesh=mesh)
+    layers = model.layers
+    seen = {}
+
+    def during_forward(module, inputs):
+        seen["forward"] = layers[1]._fullshard_state.group.state
+
+    def during_backward(grad):
+        seen["backward"] = layers[0]._fullshard_state.group.state
+
+    def hook_attention_output(module, inputs, output):  # its gradient arrives inside layers[1]'s backward
+        output.register_hook(during_backward)
+
+    tokens = torch.randint(0, 64, (2, 16))
+    model(tokens).sum().backward()  # the first step records the order
+    layers[0].register_forward_pre_hook(during_forward)
+    layers[1].attn.register_forward_hook(hook_attention_output)
+    model(tokens).sum().backward()
+    assert seen["forward"] is not GroupState.SHARDED, seen
+    assert seen["backward"] is not GroupState.SHARDED, seen
+    return {k: v.value for k, v in seen.items()}

@@ -60,8 +60,12 @@ class ShardState:
         self.is_root: Optional[bool] = None
         self.root: Optional[ShardState] = None
         self.subtree: list[ShardState] = []  # root only: every state under it, in module order
+        # Explicit prefetch targets (set_modules_to_*_prefetch); empty: the implicit
+        # neighbour in the order the root recorded during its first forward.
         self.forward_prefetch: list[ShardState] = []
         self.backward_prefetch: list[ShardState] = []
+        self._forward_order: list[ShardState] = []  # root only
+        self._order_recorded = False  # root only
         self._forward_done: set[int] = set()
         self._final_callback_queued = False
         self._forward_thread: Optional[int] = None
@@ -173,9 +177,11 @@ class ShardState:
             self.group.unshard()
             self.group.wait_for_unshard()
             self.group.register_unsharded()
-            for other in self.forward_prefetch:
-                if other.group is not None:
-                    other.group.unshard()
+            root = self.root or self
+            if not root._order_recorded and self not in root._forward_order:
+                root._forward_order.append(self)
+            if not _in_backward():
+                self._prefetch(self.forward_prefetch or self._neighbour(+1))
         dtype = self.mp_policy.param_dtype
         if dtype is not None and self.mp_policy.cast_forward_inputs:
             args, kwargs = _cast_floats((args, kwargs), dtype)
@@ -218,6 +224,7 @@ class ShardState:
         )
 
     def _finish_root_forward(self) -> None:
+        self._order_recorded = True
         # Groups of several modules where not all ran still follow their policy.
         for state in self.subtree:
             state._forward_done.clear()
@@ -235,7 +242,20 @@ class ShardState:
         group = self.group
         group.unshard()
         group.wait_for_unshard()
-        for other in self.backward_prefetch:
+        self._prefetch(self.backward_prefetch or self._neighbour(-1))
+
+    def _neighbour(self, offset: int) -> list["ShardState"]:
+        """The unit that runs next in forward (+1) or in backward (-1), from the recorded forward order."""
+        root = self.root or self
+        if not root._order_recorded or self not in root._forward_order:
+            return []
+        index = root._forward_order.index(self) + offset
+        return [root._forward_order[index]] if 0 <= index < len(root._forward_order) else []
+
+    @staticmethod
+    def _prefetch(states: list["ShardState"]) -> None:
+        """Issue these units' all-gathers now, to overlap with the current unit's compute."""
+        for other in states:
             if other.group is not None:
                 other.group.unshard()
 
