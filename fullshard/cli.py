@@ -58,6 +58,11 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("--out", default="runs/latest", help="where the report, data and plot go")
     train.add_argument("--timeout", type=int, default=600, help="collective timeout in seconds")
 
+    export = sub.add_parser("export", help="write a sharded DCP checkpoint as one full .pt or .safetensors file")
+    export.add_argument("checkpoint", help="a checkpoint directory (e.g. CKPT/step_300)")
+    export.add_argument("out", help="output file: .pt, .pth or .safetensors")
+    export.add_argument("--key", default="model", help="top-level entry to export ('' for everything; default model)")
+
     estimate = sub.add_parser("estimate", help="memory and traffic per rank, from the planning code")
     estimate.add_argument("--params", type=float, help="number of parameters, e.g. 7e9")
     estimate.add_argument("--model", help="count the parameters of a fullshard GPT size instead")
@@ -213,6 +218,20 @@ def estimate(args) -> int:
     return 0
 
 
+def export(args) -> int:
+    """One process, no process group: read the shards, write the full state dict."""
+    from fullshard.checkpoint import export_full
+
+    if not Path(args.checkpoint, ".metadata").is_file():
+        raise UsageError(f"{args.checkpoint} is not a complete checkpoint directory (no .metadata)")
+    try:
+        written = export_full(args.checkpoint, args.out, key=args.key or None)
+    except (ValueError, KeyError, ImportError) as error:
+        raise UsageError(str(error)) from None
+    print(f"wrote {written}")
+    return 0
+
+
 def format_bytes(nbytes: float) -> str:
     return f"{nbytes / 2**30:10.2f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:10.2f} MiB"
 
@@ -262,7 +281,7 @@ def _count_model(args) -> dict[str, int]:
 def main(argv: Optional[list[str]] = None) -> int:
     args = _parser().parse_args(argv)
     try:
-        return {"train": train, "estimate": estimate}[args.command](args)
+        return {"train": train, "estimate": estimate, "export": export}[args.command](args)
     except UsageError as error:
         print(f"fullshard {args.command}: error: {error}", file=sys.stderr)
         return 2

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from fullshard.checkpoint import latest_step
 from fullshard.cli import format_bytes
@@ -65,6 +66,17 @@ def test_report_memory_and_traffic_match_the_planning_code(checkpointed_run):
     for kind in ("all_gather", "reduce_scatter"):
         measured = report["ranks"][0]["traffic"][kind]
         assert abs(measured - theory["traffic"][kind]) / theory["traffic"][kind] < 0.05, kind
+
+
+def test_export_writes_a_full_state_dict_without_processes(checkpointed_run, tmp_path):
+    out, _ = checkpointed_run
+    proc = fullshard("export", str(out / "ckpt" / "step_20"), str(tmp_path / "model.pt"), timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    state = torch.load(tmp_path / "model.pt", weights_only=True)
+    reference = GPT(MODEL_SIZES["tiny"]).state_dict()
+    assert set(state) == set(reference) and all(state[k].shape == reference[k].shape for k in state)
+    bad = fullshard("export", str(out / "report"), str(tmp_path / "x.pt"), timeout=60)
+    assert bad.returncode == 2 and "not a complete checkpoint" in bad.stderr
 
 
 def test_resume_reproduces_the_uninterrupted_run(checkpointed_run, tmp_path):
