@@ -8,7 +8,8 @@ offsets and lengths come from ``fullshard.plan``.
 from __future__ import annotations
 
 from collections import Counter
-from typing import Callable, Optional, Sequence
+from dataclasses import dataclass
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -68,15 +69,17 @@ def pack_rank_chunks(
             chunk.narrow(layout.dim, length, layout.chunk - length).zero_()
 
 
+@dataclass
 class PendingGather:
-    def __init__(self, work, version_guard, transient: list, copy_out: Optional[Owned], bucket, params, label) -> None:
-        self.work = work
-        self.label = label
-        self.version_guard = version_guard
-        self.transient = transient
-        self.copy_out = copy_out
-        self.bucket = bucket
-        self.params = params
+    """An issued all-gather; ``finish()`` waits, copies out where planned, releases its inputs."""
+
+    work: Any
+    version_guard: Any
+    transient: list
+    copy_out: Optional[Owned]  # the output to copy parameters out of (OWN_STORAGE plans), else None
+    bucket: BucketLayout
+    params: list
+    label: str
 
     def finish(self) -> None:
         wait(self.work, f"all-gather of {self.label}")
@@ -152,21 +155,22 @@ def all_reduce_in_place(buffer: Owned, group: dist.ProcessGroup) -> None:
     wait(work, f"replica all-reduce of {buffer.what}")
 
 
+@dataclass
 class PendingReduce:
+    """An issued gradient reduction; ``finish()`` waits, divides, installs the sharded gradients."""
+
+    work: Any
+    transient: list
+    output: Owned
+    bucket: BucketLayout
+    plan: ReducePlan
+    params: list
+    grads_present: list[bool]
+    divide_factor: float
+    label: str
     # Set for HSDP: called with the reduce-scatter output once it is complete;
     # returns False when the gradient is kept as a partial sum instead of installed.
     combine: Optional[Callable[[Owned], bool]] = None
-
-    def __init__(self, work, transient: list, output: Owned, bucket, plan, params, grads_present, divide_factor, label) -> None:
-        self.work = work
-        self.label = label
-        self.transient = transient
-        self.output = output
-        self.bucket = bucket
-        self.plan = plan
-        self.params = params
-        self.grads_present = grads_present
-        self.divide_factor = divide_factor
 
     def finish(self) -> None:
         wait(self.work, f"gradient reduction of {self.label}")
