@@ -68,8 +68,9 @@ def memory_report(model: nn.Module, optimizer: Optional[torch.optim.Optimizer] =
             v for s in (optimizer.state.values() if optimizer else ()) for v in s.values()
             if torch.is_tensor(v) and v.dim() > 0  # Adam's scalar step counters are not state per parameter
         ),
-        "comm_live": comm_bytes()["live"],
+        "comm_live": comm_bytes()["live"],  # owned storage, unsharded parameters included
         "comm_peak": comm_bytes()["peak"],
+        "transient_peak": comm_bytes()["transient_peak"],  # communication buffers only
     }
     report = {"measured": measured, "traffic": traffic_bytes()}
     strategies = {s.strategy for s in states}

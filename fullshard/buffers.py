@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import os
 import weakref
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
 
@@ -105,38 +105,47 @@ def live_owned_buffers() -> int:
 
 
 class _ByteMeter:
-    """Bytes of owned communication storage alive now, and the peak since the last reset (always on)."""
+    """Bytes of owned storage alive now, and peaks since the last reset (always on).
 
-    live = 0
-    peak = 0
+    Kept twice: everything, and the *transient* part, i.e. without the
+    working copies (unsharded parameters), which any FSDP must hold to compute.
+    """
+
+    live = peak = transient_live = transient_peak = 0
 
     @classmethod
-    def add(cls, nbytes: int) -> None:
+    def add(cls, nbytes: int, working: bool) -> None:
         cls.live += nbytes
-        if cls.live > cls.peak:
-            cls.peak = cls.live
+        cls.peak = max(cls.peak, cls.live)
+        if not working:
+            cls.transient_live += nbytes
+            cls.transient_peak = max(cls.transient_peak, cls.transient_live)
 
 
 def comm_bytes() -> dict[str, int]:
-    """``{"live": ..., "peak": ...}`` bytes of fullshard-owned communication storage."""
-    return {"live": _ByteMeter.live, "peak": _ByteMeter.peak}
+    """Bytes of fullshard-owned storage: ``live``/``peak`` (all of it) and ``transient_live``/
+    ``transient_peak`` (communication buffers only, without the unsharded parameters)."""
+    meter = _ByteMeter
+    return {"live": meter.live, "peak": meter.peak,
+            "transient_live": meter.transient_live, "transient_peak": meter.transient_peak}
 
 
 def reset_peak_comm_bytes() -> None:
-    _ByteMeter.peak = _ByteMeter.live
+    _ByteMeter.peak, _ByteMeter.transient_peak = _ByteMeter.live, _ByteMeter.transient_live
 
 
 class Owned:
     """Storage fullshard allocated: it may write, reclaim and regrow it."""
 
-    __slots__ = ("tensor", "what", "_nbytes", "_counted", "__weakref__")
+    __slots__ = ("tensor", "what", "working", "_nbytes", "_counted", "__weakref__")
 
-    def __init__(self, tensor: torch.Tensor, what: str) -> None:
+    def __init__(self, tensor: torch.Tensor, what: str, working: bool = False) -> None:
         self.tensor = tensor
         self.what = what
+        self.working = working  # an unsharded parameter's storage, not a transient buffer
         self._nbytes = tensor.untyped_storage().nbytes()
         self._counted = self._nbytes
-        _ByteMeter.add(self._nbytes)
+        _ByteMeter.add(self._nbytes, working)
         if _SANITIZER.enabled:
             _SANITIZER.on_owned(tensor, what)
             weakref.finalize(self, _SANITIZER.on_disowned, _storage_key(tensor), what)
@@ -160,7 +169,7 @@ class Owned:
         if _SANITIZER.enabled:
             _SANITIZER.check_mutation(self.tensor, self.what, "free (resize to 0)")
         self.tensor.untyped_storage().resize_(0)
-        _ByteMeter.add(-self._counted)
+        _ByteMeter.add(-self._counted, self.working)
         self._counted = 0
 
     def regrow(self) -> None:
@@ -170,21 +179,21 @@ class Owned:
         storage = self.tensor.untyped_storage()
         if storage.nbytes() != self._nbytes:
             storage.resize_(self._nbytes)
-            _ByteMeter.add(self._nbytes - self._counted)
+            _ByteMeter.add(self._nbytes - self._counted, self.working)
             self._counted = self._nbytes
 
     def hand_off(self) -> torch.Tensor:
         """Give the storage away (e.g. as a ``.grad``): fullshard never frees it again."""
         if _SANITIZER.enabled:
             _SANITIZER.on_disowned(_storage_key(self.tensor), self.what)
-        _ByteMeter.add(-self._counted)
+        _ByteMeter.add(-self._counted, self.working)
         self._counted = 0
         tensor, self.tensor = self.tensor, None
         return tensor
 
     def __del__(self) -> None:
         # Dropped without reclaim: the storage goes with the last reference.
-        _ByteMeter.add(-self._counted)
+        _ByteMeter.add(-self._counted, self.working)
 
 
 class Borrowed:
@@ -210,20 +219,19 @@ def allocate(
     dtype: torch.dtype,
     device: torch.device,
     what: str,
-    zero: bool = False,
+    working: bool = False,
 ) -> Owned:
-    """A fresh owned buffer."""
-    make: Callable[..., torch.Tensor] = torch.zeros if zero else torch.empty
-    return Owned(make(shape, dtype=dtype, device=device), what)
+    """A fresh owned buffer, contents undefined (``working``: it backs unsharded parameters)."""
+    return Owned(torch.empty(shape, dtype=dtype, device=device), what, working)
 
 
-def adopt(tensor: torch.Tensor, what: str) -> Owned:
+def adopt(tensor: torch.Tensor, what: str, working: bool = False) -> Owned:
     """Take ownership of the result of an allocating op (a cast to another dtype, a cat).
 
     Callers reach here only on code paths the plan marks OWNED; the sanitizer
     verifies the op really allocated.
     """
-    return Owned(tensor, what)
+    return Owned(tensor, what, working)
 
 
 def borrow(tensor: torch.Tensor, what: str) -> Borrowed:

@@ -157,7 +157,7 @@ class ParamGroup:
             if param.unsharded_storage is None:
                 param.unsharded_storage = buffers.adopt(
                     local.to(param.device, param.compute_dtype),
-                    f"{param.compute_dtype} copy of '{param.fqn}' of module '{self.module_name}'",
+                    f"{param.compute_dtype} copy of '{param.fqn}' of module '{self.module_name}'", working=True,
                 )
                 self._make_unsharded(param, param.unsharded_storage.tensor)
             else:
@@ -172,7 +172,9 @@ class ParamGroup:
         if plan.unsharded is Unsharded.VIEW_OF_OUTPUT:
             output = self._view_outputs[index]
             if output is None:
-                output = buffers.allocate(bucket.total_numel, dtype, device, f"unsharded {self.labels[index]}")
+                output = buffers.allocate(
+                    bucket.total_numel, dtype, device, f"unsharded {self.labels[index]}", working=True
+                )
                 self._view_outputs[index] = output
                 param = members[0]
                 data = output.tensor[: param.layout.numel].view(param.layout.shape)
@@ -183,7 +185,8 @@ class ParamGroup:
         for param in members:
             if param.unsharded_storage is None:
                 param.unsharded_storage = buffers.allocate(
-                    param.layout.shape, dtype, device, f"unsharded parameter '{param.fqn}' of module '{self.module_name}'"
+                    param.layout.shape, dtype, device, f"unsharded parameter '{param.fqn}' of module '{self.module_name}'",
+                    working=True,
                 )
                 self._make_unsharded(param, param.unsharded_storage.tensor)
             else:
