@@ -201,6 +201,7 @@ def suite():
         seed_config_fp32_reduce, bf16_compute_fp32_reduce, torch_layers_model, dim1_sharding, uneven_shapes,
         tied_weights, gradient_accumulation, clip_grad_norm, mixed_precision_casts_inputs_and_outputs,
         no_sync_and_reshard_after_backward_controls, implicit_prefetch_in_forward_and_backward,
+        activation_checkpointing, block_used_twice_per_forward,
     ]}
 
 
@@ -288,3 +289,49 @@ def implicit_prefetch_in_forward_and_backward():
     assert seen["forward"] is not GroupState.SHARDED, seen
     assert seen["backward"] is not GroupState.SHARDED, seen
     return {k: v.value for k, v in seen.items()}
+
+
+class CheckpointedBlocks(nn.Module):
+    """The GPT with activation checkpointing on every block (recomputed in backward)."""
+
+    def __init__(self):
+        super().__init__()
+        self.gpt = build_gpt()
+        self.layers = self.gpt.layers
+
+    def forward(self, tokens):
+        from torch.utils.checkpoint import checkpoint
+
+        gpt = self.gpt
+        x = gpt.wte(tokens) + gpt.wpe(torch.arange(tokens.shape[1]))
+        for layer in gpt.layers:
+            x = checkpoint(layer, x, use_reentrant=False)
+        return gpt.lm_head(gpt.ln_f(x))
+
+
+def activation_checkpointing():
+    mesh = mesh_1d()
+    run_parity(CheckpointedBlocks, lambda m: shard_blocks_then_root(m, mesh=mesh))
+    model = shard_blocks_then_root(CheckpointedBlocks(), mesh=mesh)
+    model(torch.randint(0, 64, (2, 16))).sum().backward()
+    assert model._fullshard_state.is_root and not any(l._fullshard_state.is_root for l in model.layers)
+    return True
+
+
+class SharedBlockTwice(nn.Module):
+    """One wrapped block applied twice per forward (weight sharing across depth)."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(64, 32)
+        self.block = nn.Sequential(nn.Linear(32, 32), nn.Tanh())
+        self.layers = [self.block]
+        self.head = nn.Linear(32, 64)
+
+    def forward(self, tokens):
+        return self.head(self.block(self.block(self.embed(tokens))))
+
+
+def block_used_twice_per_forward():
+    mesh = mesh_1d()
+    return run_parity(SharedBlockTwice, lambda m: shard_blocks_then_root(m, mesh=mesh)).losses

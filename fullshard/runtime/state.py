@@ -163,7 +163,9 @@ class ShardState:
     # ------------------------------------------------------------------ forward
     def _pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         self._check_not_used_during_backward(module)
-        if _active_root() is None:
+        # A forward inside backward is activation checkpointing recomputing a unit:
+        # it belongs to the step already running, so it never becomes a root.
+        if _active_root() is None and not _in_backward():
             self._lazy_init_as_root()
             _active.root = self
             self._forward_thread = threading.get_ident()
