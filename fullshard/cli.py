@@ -58,6 +58,7 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("--out", default="runs/latest", help="where the report, data and plot go")
     train.add_argument("--timeout", type=int, default=600, help="collective timeout in seconds")
 
+    sub.add_parser("bench", help="fullshard vs PyTorch FSDP2 vs DDP, side by side (see fullshard bench --help)")
     export = sub.add_parser("export", help="write a sharded DCP checkpoint as one full .pt or .safetensors file")
     export.add_argument("checkpoint", help="a checkpoint directory (e.g. CKPT/step_300)")
     export.add_argument("out", help="output file: .pt, .pth or .safetensors")
@@ -279,6 +280,11 @@ def _count_model(args) -> dict[str, int]:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["bench"]:  # the benchmark has its own options (python -m fullshard.bench --help)
+        from fullshard.bench import main as bench_main
+
+        return bench_main(argv[1:])
     args = _parser().parse_args(argv)
     try:
         return {"train": train, "estimate": estimate, "export": export}[args.command](args)

@@ -24,9 +24,14 @@ from fullshard.runtime.param import ShardedParam
 # all-reduce buffer). Read and reset through fullshard.accounting.
 traffic: Counter = Counter()
 
-# torch 2.13 renamed the tensor-in/tensor-out collectives; older releases only have the old names.
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+def _all_gather(*args, **kwargs):
+    # torch 2.13 renamed the tensor-in/tensor-out collectives; older releases only have the old
+    # names. Looked up at each call, so wrappers installed later (profilers, benchmarks) see them.
+    return (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(*args, **kwargs)
+
+
+def _reduce_scatter(*args, **kwargs):
+    return (getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor)(*args, **kwargs)
 
 
 class CollectiveError(RuntimeError):

@@ -1,0 +1,963 @@
+"""``python -m fullshard.bench``: fullshard vs PyTorch FSDP2 vs DDP, side by side, in one process group.
+
+One invocation starts ``--nproc`` local processes (gloo on CPU, NCCL with
+``--device cuda``). For each configuration (ZeRO-3 / ZeRO-2, fp32 / bf16
+compute with fp32 reduction) every library gets its own copy of the same
+seeded GPT and AdamW, and the step (forward + backward + optimizer step) is
+timed in interleaved rounds: one step of each library per round, the order
+rotated every round, all ranks released together by a barrier. A round's
+time for a library is the slowest rank's; ratios are medians of per-round
+ratios, so slow drift of the machine hits both sides of a pair alike.
+
+Measured the same way for every library:
+
+* bytes moved: the ``torch.distributed`` collectives are wrapped before any
+  library is imported and every call counts its full buffer (all-gather
+  output, reduce-scatter input, all-reduce tensor), the convention of
+  ``fullshard.plan.strategy.traffic_bytes_per_step``;
+* memory, in untimed steps per library before the rounds (warm-up, then a
+  measured step; they also warm the trainer up for timing): on CUDA
+  ``torch.cuda.max_memory_allocated``; on CPU the live bytes replayed from the
+  PyTorch profiler's allocator events (every tensor allocated since the
+  library's model was built: parameters, gradients, optimizer state,
+  activations, communication buffers; see :class:`CpuAllocations`), and the
+  process's peak RSS.
+
+Transient communication memory cannot be measured the same way for all:
+fullshard meters its own buffers (``fullshard.buffers.comm_bytes``); for FSDP2
+and DDP it is sampled (see :class:`CommSampler`).
+
+Results go to ``<out-dir>/<date>-<host>.json`` and ``.md``.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import gc
+import json
+import os
+import platform
+import resource
+import socket
+import statistics
+import sys
+import time
+import weakref
+from collections import Counter
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Callable, Iterable, Iterator, Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+from fullshard.models.gpt import GPT, GPTConfig
+from fullshard.plan.strategy import Strategy, traffic_bytes_per_step
+
+MODELS = {
+    "default": GPTConfig(vocab_size=8192, seq_len=128, d_model=384, n_layers=6, n_heads=6),
+    "tiny": GPTConfig(vocab_size=256, seq_len=32, d_model=64, n_layers=2, n_heads=4),
+}
+# Without --rounds, each configuration runs as many timed rounds as fit in a
+# time budget (estimated from the measured memory step), within these bounds:
+# three pairs at least for a median with a spread, and no more than needed.
+MIN_ROUNDS, MAX_ROUNDS = 3, 30
+DEFAULT_BUDGET_S = {"default": 60.0, "tiny": 1.0}
+KINDS = ("all_gather", "reduce_scatter", "all_reduce")
+# Steps before the measured memory step: lazy initialization and optimizer
+# state; DDP also rebuilds its gradient buckets at the start of its second.
+WARMUP_STEPS = {"fullshard": 1, "fsdp2": 1, "ddp": 2}
+TIMED_BATCHES = max(WARMUP_STEPS.values()) + 1  # batch index of the first timed round
+
+
+# ---------------------------------------------------------------------- configurations
+@dataclass(frozen=True)
+class Contender:
+    label: str  # unique within a configuration
+    library: str  # "fullshard" | "fsdp2" | "ddp"
+    options: tuple[tuple[str, object], ...]  # extra fully_shard kwargs
+    theory: Strategy  # whose traffic formula applies
+
+    @property
+    def setup(self) -> str:
+        if self.library == "ddp":
+            return "DistributedDataParallel"
+        module = "fullshard" if self.library == "fullshard" else "torch.distributed.fsdp"
+        args = ", ".join(f"{k}={v!r}" for k, v in self.options)
+        return f"{module}.fully_shard({args})"
+
+
+@dataclass(frozen=True)
+class Configuration:
+    name: str
+    precision: str  # "fp32" | "bf16"
+    contenders: tuple[Contender, ...]
+
+
+def configurations() -> list[Configuration]:
+    zero3, zero2 = Strategy.OPTIM_GRADS_PARAMS, Strategy.OPTIM_GRADS
+    ddp = Contender("ddp", "ddp", (), Strategy.NO_SHARD)
+    sharding = {
+        "zero3": (
+            Contender("fullshard", "fullshard", (), zero3),
+            # FSDP2's default: reshard after forward, except the root (gathered again at once).
+            Contender("fsdp2", "fsdp2", (), zero3),
+            ddp,
+        ),
+        # fullshard reaches ZeRO-2 two ways: FSDP2's flag (gather once, reshard
+        # after backward) or its own strategy (keep the unsharded parameters
+        # between steps); both move the same bytes.
+        "zero2": (
+            Contender("fullshard", "fullshard", (("reshard_after_forward", False),), zero2),
+            Contender("fullshard:optim_grads", "fullshard", (("strategy", "optim_grads"),), zero2),
+            Contender("fsdp2", "fsdp2", (("reshard_after_forward", False),), zero2),
+            ddp,
+        ),
+    }
+    return [
+        Configuration(f"{name}-{precision}", precision, contenders)
+        for name, contenders in sharding.items()
+        for precision in ("fp32", "bf16")
+    ]
+
+
+# ---------------------------------------------------------------------- counting collectives
+# Name -> (kind, the argument whose full size is the payload). The deprecated
+# names forward to the new ones inside distributed_c10d, not through these
+# module attributes, so every call is counted exactly once.
+_COLLECTIVES = {
+    "all_gather_single": ("all_gather", "output_tensor"),
+    "all_gather_into_tensor": ("all_gather", "output_tensor"),
+    "_all_gather_base": ("all_gather", "output_tensor"),
+    "reduce_scatter_single": ("reduce_scatter", "input"),
+    "reduce_scatter_tensor": ("reduce_scatter", "input"),
+    "_reduce_scatter_base": ("reduce_scatter", "input"),
+    "all_reduce": ("all_reduce", "tensor"),
+}
+
+
+class CollectiveMeter:
+    """Payload bytes of every ``torch.distributed`` collective issued while a label is set.
+
+    Install it before importing fullshard: fullshard binds its collective
+    functions at import time, FSDP2 and DDP's comm hook look them up per call.
+    """
+
+    def __init__(self) -> None:
+        self._counts: Optional[Counter] = None  # the step being counted, if any
+        # Called with every collective's tensors (the memory phase's trackers).
+        self.watchers: list[Callable[[list[torch.Tensor]], None]] = []
+
+    def install(self) -> None:
+        import inspect
+
+        for name, (kind, arg) in _COLLECTIVES.items():
+            original = getattr(dist, name, None)
+            if original is not None:
+                position = list(inspect.signature(original).parameters).index(arg)
+                setattr(dist, name, self._wrap(original, kind, arg, position))
+
+    def _wrap(self, original: Callable, kind: str, arg: str, position: int) -> Callable:
+        def counted(*args, **kwargs):
+            result = original(*args, **kwargs)
+            if self._counts is not None:
+                payload = args[position] if len(args) > position else kwargs[arg]
+                self._counts[kind] += payload.numel() * payload.element_size()
+            if self.watchers:
+                tensors = [t for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor)]
+                for watch in self.watchers:
+                    watch(tensors)
+            return result
+
+        counted.__wrapped__ = original
+        return counted
+
+    @contextlib.contextmanager
+    def counting(self) -> Iterator[Counter]:
+        """Count the bytes of the collectives issued inside the block, by kind, into the yielded Counter."""
+        self._counts = counts = Counter()
+        try:
+            yield counts
+        finally:
+            self._counts = None
+
+
+# ---------------------------------------------------------------------- building the contenders
+@dataclass
+class Run:
+    """What every contender of a rank shares."""
+
+    model: GPTConfig
+    device: torch.device
+    mesh: object
+    rank: int
+    world: int
+    batch_size: int
+    seed: int
+    meter: CollectiveMeter
+
+
+class Trainer:
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, autocast: Optional[torch.dtype], device):
+        self.model = model
+        self.optimizer = optimizer
+        self.autocast = autocast
+        self.device = device
+
+    def step(self, batch: tuple[torch.Tensor, torch.Tensor], probe: Optional[Callable[[], None]] = None) -> torch.Tensor:
+        """Forward, backward, optimizer step; ``probe`` runs while the gradients still exist."""
+        tokens, targets = batch
+        autocast = torch.autocast(self.device.type, dtype=self.autocast) if self.autocast else contextlib.nullcontext()
+        with autocast:
+            logits = self.model(tokens)
+        # The loss outside the model: DDP only syncs what goes through its forward.
+        loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+        loss.backward()
+        self.optimizer.step()
+        if probe is not None:
+            probe()
+        self.optimizer.zero_grad(set_to_none=True)
+        return loss.detach()
+
+
+def build_trainer(contender: Contender, config: Configuration, run: Run) -> Trainer:
+    torch.manual_seed(run.seed)  # the same initial weights for every library
+    model = GPT(run.model).to(run.device)
+    bf16 = config.precision == "bf16"
+    autocast = None
+    if contender.library == "ddp":
+        model = _ddp(model, run)
+        # DDP keeps fp32 parameters; bf16 compute comes from autocast, and its
+        # gradients (fp32, like the parameters) are all-reduced in fp32: the
+        # closest match to bf16 compute + fp32 reduction.
+        autocast = torch.bfloat16 if bf16 else None
+    else:
+        if contender.library == "fullshard":
+            from fullshard import MixedPrecisionPolicy, fully_shard
+        else:
+            from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else MixedPrecisionPolicy()
+        options = dict(contender.options)
+        for block in model.layers:
+            fully_shard(block, mesh=run.mesh, mp_policy=policy, **options)
+        fully_shard(model, mesh=run.mesh, mp_policy=policy, **options)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.1)
+    return Trainer(model, optimizer, autocast, run.device)
+
+
+def _ddp(model: nn.Module, run: Run) -> nn.Module:
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+    from torch.nn.parallel import DistributedDataParallel
+
+    # Every rank built the same seeded weights, so the start-up broadcast is
+    # skipped: gloo may free its buffer on a thread the CPU memory replay
+    # does not see (CpuAllocations).
+    ddp = DistributedDataParallel(
+        model, device_ids=[run.device.index] if run.device.type == "cuda" else None, init_sync=False
+    )
+    # DDP's built-in all-reduce is issued from C++, invisible to the meter; torch's
+    # Python hook does the same (divide by the world size, all-reduce the bucket)
+    # through torch.distributed.all_reduce.
+    ddp.register_comm_hook(None, allreduce_hook)
+    return ddp
+
+
+def make_batch(run: Run, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's batch of a step: the same for every library."""
+    generator = torch.Generator().manual_seed(run.seed * 1_000_003 + step * run.world + run.rank)
+    tokens = torch.randint(0, run.model.vocab_size, (run.batch_size, run.model.seq_len + 1), generator=generator)
+    tokens = tokens.to(run.device)
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
+
+
+def _training_state(params: list[torch.Tensor], optimizer: torch.optim.Optimizer) -> dict[str, list[torch.Tensor]]:
+    """This rank's parameters, gradients and optimizer state (local shards).
+
+    ``params`` must be taken at rest: inside a forward, a sharded module shows
+    its unsharded parameters instead.
+    """
+    return {
+        "params": [_local(p) for p in params],
+        "grads": [_local(p.grad) for p in params if p.grad is not None],
+        "optim": [_local(v) for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v)],
+    }
+
+
+def _storage_bytes(tensors: Iterable[torch.Tensor], seen: set[int]) -> int:
+    """Bytes of the storages behind ``tensors`` not in ``seen`` (which grows)."""
+    total = 0
+    for tensor in tensors:
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() and storage.data_ptr() not in seen:
+            seen.add(storage.data_ptr())
+            total += storage.nbytes()
+    return total
+
+
+# ---------------------------------------------------------------------- memory
+class CommSampler:
+    """Peak live bytes of communication storage, sampled (FSDP2 and DDP have no meter).
+
+    Live communication storage is the union of the buffers passed to a
+    collective during the step (held weakly: once the library drops them, they
+    are gone) and ``extra()`` (FSDP2's unsharded parameters), minus the
+    storages of the training state (a reduce-scatter output that became the
+    sharded gradient is state). It is sampled after every collective and at
+    every forward boundary of a block, so the figure is a lower bound of the
+    true peak, taken at the moments new buffers appear.
+    """
+
+    def __init__(self, trainer: Trainer, extra: Callable[[], list[torch.Tensor]]) -> None:
+        self._params = list(trainer.model.parameters())  # at rest: the sharded ones
+        self._optimizer = trainer.optimizer
+        self._extra = extra
+        self._buffers: list[weakref.ref] = []
+        self._hooks: list = []
+        self.peak = 0
+        self.transient_peak = 0  # the collectives' own buffers only, without extra()
+
+    def see(self, tensors: list[torch.Tensor]) -> None:
+        self._buffers.extend(weakref.ref(t) for t in tensors)
+        self.sample()
+
+    def sample(self, *_ignored) -> None:
+        state: set[int] = set()
+        for tensors in _training_state(self._params, self._optimizer).values():
+            _storage_bytes(tensors, state)
+        self._buffers = [ref for ref in self._buffers if ref() is not None]
+        staging = [ref() for ref in self._buffers]
+        self.transient_peak = max(self.transient_peak, _storage_bytes(staging, set(state)))
+        self.peak = max(self.peak, _storage_bytes(staging + self._extra(), state))
+
+    def hook_blocks(self, model: nn.Module) -> None:
+        """Also sample inside each block's forward, while its parameters are unsharded."""
+        for module in (*model.layers, model):
+            self._hooks.append(module.register_forward_pre_hook(self.sample))
+            self._hooks.append(module.register_forward_hook(self.sample, prepend=True))
+
+    def close(self) -> None:
+        for hook in self._hooks:
+            hook.remove()
+
+
+def _fsdp2_unsharded(model: nn.Module) -> list[torch.Tensor]:
+    """The storages FSDP2 all-gathers each parameter into (its unsharded parameter's data)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    tensors = []
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            for group in module._get_fsdp_state()._fsdp_param_groups:
+                for param in group.fsdp_params:
+                    tensors.extend(param.all_gather_outputs)
+    return tensors
+
+
+@contextlib.contextmanager
+def _quiet_stderr() -> Iterator[None]:
+    """Kineto prints a line to fd 2 whenever the profiler starts and stops."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with open(os.devnull, "w") as devnull:
+        os.dup2(devnull.fileno(), 2)
+    try:
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
+class CpuAllocations:
+    """Live tensor bytes on the CPU, replayed from the PyTorch profiler's allocator events.
+
+    The profiler reports every allocation and free made while it runs, with
+    the op that made it. Replaying them in time order gives the bytes
+    allocated since entry and still alive (frees of older blocks are not
+    reported, so older memory never counts). ``held``: live at the start of
+    the measured step; ``peak``: the maximum during it.
+
+    Two gaps are closed by hand. A collective's work object keeps its tensors
+    alive, and when the backend's thread drops the last reference the free
+    happens where the profiler does not look: so the storage of every tensor
+    passed to a collective is watched (``watch``) and its death, timed by the
+    same clock, frees its block. And blocks the backend allocates itself
+    inside a collective (gloo copies a reduce-scatter's input) are left out:
+    they are the backend's, as NCCL's buffers are outside CUDA's counters.
+    """
+
+    MARK = "fullshard.bench.measured_step"
+
+    def __enter__(self) -> "CpuAllocations":
+        self._deaths: list[tuple[int, int, int]] = []  # (time of death, address, time first seen)
+        self._watched: "weakref.WeakKeyDictionary[torch.UntypedStorage, set[int]]" = weakref.WeakKeyDictionary()
+        self._finalizers: list[weakref.finalize] = []
+        self._profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True)
+        with _quiet_stderr():
+            self._profiler.start()
+        return self
+
+    def watch(self, tensors: list[torch.Tensor]) -> None:
+        """Note when the storages behind ``tensors`` (a collective's) die, on whatever thread."""
+        for tensor in tensors:
+            storage = tensor.untyped_storage()
+            address = storage.data_ptr()
+            addresses = self._watched.setdefault(storage, set())
+            if address and address not in addresses:
+                addresses.add(address)
+                self._finalizers.append(weakref.finalize(storage, self._on_death, address, time.time_ns()))
+
+    def _on_death(self, address: int, seen_ns: int) -> None:
+        self._deaths.append((time.time_ns(), address, seen_ns))
+
+    def measured_step(self):
+        return torch.profiler.record_function(self.MARK)
+
+    def __exit__(self, *exc) -> None:
+        with _quiet_stderr():
+            self._profiler.stop()
+        for finalizer in self._finalizers:
+            finalizer.detach()
+        if exc[0] is None:
+            self._replay(self._profiler.profiler.kineto_results.experimental_event_tree())
+
+    def _replay(self, roots) -> None:
+        from torch._C._profiler import _EventType
+
+        nodes, stack = [], list(roots)
+        while stack:
+            node = stack.pop()
+            nodes.append(node)
+            stack.extend(node.children)
+        mark = next(n for n in nodes if n.name == self.MARK)
+        events = [
+            (n.start_time_ns, n.extra_fields.ptr, n.extra_fields.alloc_size, _inside_collective(n))
+            for n in nodes if n.tag == _EventType.Allocation
+        ]
+        events += [(when, address, 0, seen) for when, address, seen in self._deaths]
+        live: dict[int, tuple[int, int]] = {}  # address -> (bytes, time allocated) of the blocks counted
+        backend: set[int] = set()  # addresses of the backend's blocks
+        total, self.held, self.peak = 0, None, None
+        for when, address, nbytes, extra in sorted(events, key=lambda e: e[0]):
+            if when > mark.end_time_ns:
+                break
+            if self.held is None and when >= mark.start_time_ns:
+                self.held = self.peak = total
+            if nbytes > 0:  # an allocation; a reused address means the block there was freed unseen
+                backend.discard(address)
+                total -= live.pop(address, (0, 0))[0]
+                if extra:
+                    backend.add(address)
+                else:
+                    live[address] = (nbytes, when)
+                    total += nbytes
+            elif nbytes < 0:  # a free the profiler saw
+                if address in backend:
+                    backend.discard(address)
+                else:
+                    total -= live.pop(address, (0, 0))[0]
+            elif address in live and live[address][1] <= extra:
+                # A watched storage died: its block goes, unless the address was
+                # freed and reused after the storage was seen there.
+                total -= live.pop(address)[0]
+            if self.held is not None:
+                self.peak = max(self.peak, total)
+        if self.held is None:  # nothing allocated or freed during the step
+            self.held = self.peak = total
+
+
+def _inside_collective(event) -> bool:
+    node = event.parent
+    while node is not None:
+        if node.name.startswith(("c10d::", "gloo:")):
+            return True
+        node = node.parent
+    return False
+
+
+class CudaAllocations:
+    """The caching allocator's counters, relative to what was allocated before entry."""
+
+    def __init__(self, device: torch.device) -> None:
+        self._device = device
+
+    def __enter__(self) -> "CudaAllocations":
+        torch.cuda.synchronize(self._device)
+        self._base = torch.cuda.memory_allocated(self._device)
+        return self
+
+    @contextlib.contextmanager
+    def measured_step(self) -> Iterator[None]:
+        torch.cuda.synchronize(self._device)
+        self.held = torch.cuda.memory_allocated(self._device) - self._base
+        torch.cuda.reset_peak_memory_stats(self._device)
+        yield
+        torch.cuda.synchronize(self._device)
+        self.peak = torch.cuda.max_memory_allocated(self._device) - self._base
+
+    def watch(self, tensors: list[torch.Tensor]) -> None:
+        """Nothing to do: the caching allocator sees every free, whichever thread makes it."""
+
+    def __exit__(self, *exc) -> None:
+        pass
+
+
+def _reset_peak_rss() -> str:
+    """Restart the process's peak-RSS mark where Linux allows it; say what the figure covers."""
+    try:
+        with open("/proc/self/clear_refs", "w") as handle:
+            handle.write("5")
+        return "process peak RSS during this library's memory phase (mark reset through /proc/self/clear_refs)"
+    except OSError:
+        return "process peak RSS so far (ru_maxrss; this system cannot reset the mark)"
+
+
+def _peak_rss() -> int:
+    scale = 1 if sys.platform == "darwin" else 1024  # ru_maxrss is in KiB on Linux
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale
+
+
+def measure_memory(contender: Contender, config: Configuration, run: Run) -> tuple[Trainer, dict]:
+    """Build this library's copy, take its warm-up steps, then measure one step; return the warm trainer.
+
+    These steps are also the warm-up of the timed rounds, which reuse the trainer.
+    """
+    from fullshard import buffers
+
+    gc.collect()
+    rss_method = _reset_peak_rss()
+    # fullshard's meter is process-wide: leave out what the copies built before this one hold.
+    comm_base = buffers.comm_bytes()["live"]
+    transient_base = buffers.comm_bytes()["transient_live"]
+    allocations = CpuAllocations() if run.device.type == "cpu" else CudaAllocations(run.device)
+    state: dict[str, int] = {}
+
+    def probe() -> None:
+        seen: set[int] = set()
+        for kind, tensors in _training_state(list(trainer.model.parameters()), trainer.optimizer).items():
+            state[kind] = _storage_bytes(tensors, seen)
+
+    warmup = WARMUP_STEPS[contender.library]
+    with allocations:
+        run.meter.watchers.append(allocations.watch)
+        trainer = build_trainer(contender, config, run)
+        first_loss = trainer.step(make_batch(run, 0)).item()
+        for step in range(1, warmup):
+            trainer.step(make_batch(run, step))
+        sampler = None
+        if contender.library != "fullshard":
+            extra = (lambda: _fsdp2_unsharded(trainer.model)) if contender.library == "fsdp2" else list
+            sampler = CommSampler(trainer, extra)
+            if contender.library == "fsdp2":
+                sampler.hook_blocks(trainer.model)
+        buffers.reset_peak_comm_bytes()
+        if sampler is not None:
+            run.meter.watchers.append(sampler.see)
+        batch = make_batch(run, warmup)
+        began = time.perf_counter()
+        with allocations.measured_step():
+            trainer.step(batch, probe)
+            _synchronize(run.device)
+        elapsed = time.perf_counter() - began
+        run.meter.watchers.clear()
+    if sampler is None:
+        comm_peak = buffers.comm_bytes()["peak"] - comm_base
+        transient_peak = buffers.comm_bytes()["transient_peak"] - transient_base
+        comm_method = "fullshard.buffers.comm_bytes() peak (its own meter)"
+    else:
+        sampler.close()
+        comm_peak, comm_method = sampler.peak, "sampled estimate (lower bound)"
+        transient_peak = sampler.transient_peak
+    return trainer, {
+        "peak_bytes": allocations.peak,
+        "held_bytes": allocations.held,
+        "state_bytes": state,
+        "comm_peak_bytes": comm_peak,
+        # without the unsharded parameters (which every FSDP holds): staging buffers only
+        "transient_comm_peak_bytes": transient_peak,
+        "comm_method": comm_method,
+        "rss_peak_bytes": _peak_rss(),
+        "rss_method": rss_method,
+        "loss_step0": first_loss,
+        "measured_step_s": elapsed,
+    }
+
+
+# ---------------------------------------------------------------------- timing
+def fit_rounds(step_seconds: list[float], budget_s: float, run: Run) -> int:
+    """As many rounds as fit in the budget (judged by the slowest rank), within [MIN_ROUNDS, MAX_ROUNDS]."""
+    round_s = torch.tensor([sum(step_seconds)], dtype=torch.float64, device=run.device)
+    dist.all_reduce(round_s, op=dist.ReduceOp.MAX)
+    return int(min(MAX_ROUNDS, max(MIN_ROUNDS, budget_s // max(round_s.item(), 1e-9))))
+
+
+def time_rounds(trainers: dict[str, Trainer], run: Run, rounds: int) -> dict[str, dict]:
+    """Interleave the libraries step by step; return each one's times, bytes and losses on this rank."""
+    from fullshard.runtime.collectives import traffic as fullshard_traffic
+
+    labels = list(trainers)
+    results = {label: {"times": [], "bytes": [], "self_reported": [], "losses": []} for label in labels}
+    for step in range(rounds):
+        batch = make_batch(run, TIMED_BATCHES + step)
+        shift = step % len(labels)  # rotate the order so that no library always goes first
+        for label in labels[shift:] + labels[:shift]:
+            fullshard_traffic.clear()
+            dist.barrier()
+            with run.meter.counting() as moved:
+                began = time.perf_counter()
+                loss = trainers[label].step(batch)
+                _synchronize(run.device)
+                elapsed = time.perf_counter() - began
+            result = results[label]
+            result["times"].append(elapsed)
+            result["bytes"].append(dict(moved))
+            result["self_reported"].append(dict(fullshard_traffic))
+            result["losses"].append(loss.item())
+    return results
+
+
+# ---------------------------------------------------------------------- one rank
+def _worker(local_rank: int, options: dict) -> None:
+    meter = CollectiveMeter()
+    meter.install()  # before anything imports fullshard's runtime
+    run = _init(local_rank, options, meter)
+    try:
+        per_config = [_run_configuration(config, run, options) for config in _selected(options["configs"])]
+        gathered: list = [None] * run.world
+        dist.all_gather_object(gathered, per_config)
+        if run.rank == 0:
+            summary = summarize(gathered, run, options)
+            table = format_markdown(summary)
+            json_path, md_path = _write(summary, table, Path(options["out_dir"]))
+            print(table)
+            print(f"wrote {json_path} and {md_path}", flush=True)
+    finally:
+        dist.destroy_process_group()
+
+
+def _init(local_rank: int, options: dict, meter: CollectiveMeter) -> Run:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    torch.set_num_threads(options["threads"])
+    cuda = options["device"] == "cuda"
+    if cuda:
+        torch.cuda.set_device(local_rank)
+    dist.init_process_group(
+        "nccl" if cuda else "gloo", rank=local_rank, world_size=options["nproc"],
+        timeout=datetime.timedelta(seconds=options["timeout"]),
+    )
+    device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
+    mesh = init_device_mesh(device.type, (options["nproc"],))
+    return Run(
+        MODELS[options["model"]], device, mesh, dist.get_rank(), dist.get_world_size(),
+        options["batch_size"], options["seed"], meter,
+    )
+
+
+def _progress(run: Run, line: str) -> None:
+    if run.rank == 0:
+        print(f"fullshard.bench: {line}", flush=True)
+
+
+def _selected(names: Optional[list[str]]) -> list[Configuration]:
+    return [c for c in configurations() if not names or c.name in names]
+
+
+def _run_configuration(config: Configuration, run: Run, options: dict) -> dict:
+    began = time.perf_counter()
+    trainers, memory = {}, {}
+    for contender in config.contenders:
+        trainers[contender.label], memory[contender.label] = measure_memory(contender, config, run)
+    rounds = options["rounds"] or fit_rounds([m["measured_step_s"] for m in memory.values()], options["budget"], run)
+    _progress(run, f"{config.name}: memory measured, timing {rounds} rounds")
+    timing = time_rounds(trainers, run, rounds)
+    _progress(run, f"{config.name}: done in {time.perf_counter() - began:.0f} s")
+    del trainers
+    gc.collect()
+    return {"name": config.name, "rounds": rounds, "memory": memory, "timing": timing}
+
+
+# ---------------------------------------------------------------------- summary and report
+def _spread(values: list[float]) -> dict:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+
+
+def model_counts(cfg: GPTConfig) -> tuple[int, int]:
+    """(parameters, parameters outside the blocks): the root unit, gathered once per step."""
+    model = GPT(cfg)
+    total = sum(p.numel() for p in model.parameters())
+    return total, total - sum(p.numel() for block in model.layers for p in block.parameters())
+
+
+def theory_bytes(contender: Contender, precision: str, world: int, counts: tuple[int, int]) -> dict[str, float]:
+    num_params, root_params = counts
+    gather = 2 if precision == "bf16" and contender.library != "ddp" else 4
+    return traffic_bytes_per_step(contender.theory, world, num_params, root_params=root_params, gather_bytes=gather, reduce_bytes=4)
+
+
+def _summarize_contender(contender: Contender, config: Configuration, ranks: list[dict], run: Run, counts) -> dict:
+    timings = [rank["timing"][contender.label] for rank in ranks]
+    # A step lasts as long as its slowest rank.
+    round_times = [max(times) for times in zip(*(t["times"] for t in timings))]
+    steps = timings[0]["bytes"]
+    moved = {kind: steps[0].get(kind, 0) for kind in KINDS}
+    entry = {
+        "library": contender.library,
+        "setup": contender.setup,
+        "step_s": {**_spread(round_times), "rounds": round_times},
+        "bytes_per_step": moved,
+        "bytes_same_every_step_and_rank": all(s == steps[0] for t in timings for s in t["bytes"]),
+        "theory_bytes_per_step": theory_bytes(contender, config.precision, run.world, counts),
+        "theory_strategy": contender.theory.value,
+        "memory_per_rank": [rank["memory"][contender.label] for rank in ranks],
+        # Same weights and batch at step 0 for every library: these should agree.
+        "loss_step0_rank0": ranks[0]["memory"][contender.label]["loss_step0"],
+        "loss_last_round_rank0": timings[0]["losses"][-1],
+    }
+    if contender.library == "fullshard":
+        reported = timings[0]["self_reported"][0]
+        entry["fullshard_self_reported_bytes"] = {kind: reported.get(kind, 0) for kind in KINDS}
+    return entry
+
+
+def _paired_ratios(libraries: dict[str, dict], config: Configuration) -> dict[str, dict]:
+    ratios = {}
+    for ours in (c.label for c in config.contenders if c.library == "fullshard"):
+        for theirs in ("fsdp2", "ddp"):
+            pairs = zip(libraries[ours]["step_s"]["rounds"], libraries[theirs]["step_s"]["rounds"])
+            ratios[f"{ours}/{theirs}"] = _spread([a / b for a, b in pairs])
+    return ratios
+
+
+def summarize(ranks: list[list[dict]], run: Run, options: dict) -> dict:
+    import fullshard
+    from fullshard.buffers import check_ownership_enabled
+
+    counts = num_params, root_params = model_counts(run.model)
+    configs = []
+    for index, config in enumerate(_selected(options["configs"])):
+        per_rank = [rank_results[index] for rank_results in ranks]
+        libraries = {c.label: _summarize_contender(c, config, per_rank, run, counts) for c in config.contenders}
+        configs.append({
+            "name": config.name, "precision": config.precision, "rounds": per_rank[0]["rounds"], "libraries": libraries,
+            "ratios": _paired_ratios(libraries, config),
+        })
+    return {
+        "meta": {
+            "date": datetime.date.today().isoformat(),
+            "host": socket.gethostname(),
+            "command": options["command"],
+            "device": options["device"],
+            "device_name": torch.cuda.get_device_name(run.device) if run.device.type == "cuda" else platform.processor() or platform.machine(),
+            "backend": dist.get_backend(),
+            "world_size": run.world,
+            "threads_per_rank": options["threads"],
+            "torch": torch.__version__,
+            "fullshard": fullshard.__version__,
+            "fullshard_ownership_sanitizer": check_ownership_enabled(),
+            "model": options["model"],
+            "model_config": asdict(run.model),
+            "num_params": num_params,
+            "root_params": root_params,
+            "batch_per_rank": run.batch_size,
+            "rounds": options["rounds"] or f"fit to {options['budget']:g} s per configuration, {MIN_ROUNDS} to {MAX_ROUNDS}",
+            "optimizer": "AdamW(lr=3e-4, weight_decay=0.1), torch defaults otherwise",
+        },
+        "methods": METHODS,
+        "configurations": configs,
+    }
+
+
+METHODS = {
+    "step_time": (
+        "forward + backward + optimizer step + zero_grad, after a barrier, per rank; a round's time is the "
+        "slowest rank's. Libraries interleaved step by step, order rotated each round; ratios are the median "
+        "(min, max) of per-round ratios. Warm-up: the memory phase's steps (one warm-up step, two for DDP, "
+        "which rebuilds its buckets in its second iteration, then the measured step). Rounds: --rounds, or as "
+        "many as fit in --budget seconds judged by the memory phase's measured steps."
+    ),
+    "bytes": (
+        "torch.distributed collectives wrapped before any library is imported; each call counts its full buffer "
+        "(all-gather output, reduce-scatter input, all-reduce tensor). DDP's C++ all-reduce is replaced by torch's "
+        "Python allreduce_hook so that it goes through torch.distributed.all_reduce. Theory: "
+        "fullshard.plan.strategy.traffic_bytes_per_step (ZeRO-2 rows use the optim_grads formula)."
+    ),
+    "memory_cpu": (
+        "untimed phase per library before the timed rounds: build, warm-up step(s), one measured step, all "
+        "under the PyTorch profiler with profile_memory. The allocator events are replayed by address: peak = "
+        "the most bytes live during the measured step among those allocated since the build (parameters, "
+        "gradients, optimizer state, activations, communication buffers, anything else the library keeps), "
+        "held = live at the start of the measured step. Blocks allocated inside a collective by the backend "
+        "(gloo's own copies) are excluded, as CUDA's counters exclude NCCL's; the storages passed to collectives "
+        "are watched with weakref.finalize, because gloo's threads may drop them where the profiler does not "
+        "see the free. state = unique storages of the "
+        "local parameters, gradients and optimizer state after optimizer.step()."
+    ),
+    "memory_cuda": (
+        "max_memory_allocated during the measured step minus memory_allocated before this library's build "
+        "(the other libraries' models already built stay out); held likewise at the start of the step"
+    ),
+    "rss": (
+        "ru_maxrss after the library's memory phase, the mark reset at its start through /proc/self/clear_refs "
+        "where Linux allows; the process also holds the libraries built before it, so it ranks nothing"
+    ),
+    "comm": (
+        "fullshard: fullshard.buffers.comm_bytes()['peak'] over the measured step (owned communication storage, "
+        "including the unsharded parameters, which are views of owned all-gather outputs). FSDP2: sampled after "
+        "every collective and at each block's forward entry/exit: live storages passed to collectives this step "
+        "(weakly held) plus every FSDPParam.all_gather_outputs (its unsharded parameters), minus parameter, "
+        "gradient and optimizer-state storages; a lower bound. DDP: the same sampling, which finds its gradient "
+        "buckets."
+    ),
+    "ddp_bf16": "DDP keeps fp32 parameters and runs forward under torch.autocast(bfloat16); gradients all-reduced in fp32.",
+}
+
+
+def _mib(nbytes: float) -> str:
+    return f"{nbytes / 2**20:.1f}"
+
+
+def _ratio(spread: dict) -> str:
+    return f"{spread['median']:.2f} ({spread['min']:.2f}-{spread['max']:.2f})"
+
+
+def format_markdown(summary: dict) -> str:
+    meta = summary["meta"]
+    lines = [
+        f"# fullshard vs FSDP2 vs DDP - {meta['date']} on {meta['host']}",
+        "",
+        f"`{meta['command']}`",
+        "",
+        f"{meta['world_size']} ranks ({meta['backend']}, {meta['device']}, {meta['threads_per_rank']} thread(s)/rank), "
+        f"GPT {meta['num_params'] / 1e6:.2f}M params, {meta['batch_per_rank']} sequences/rank, "
+        f"untimed warm-up and memory steps before the timed rounds, torch {meta['torch']}, "
+        f"fullshard {meta['fullshard']}, ownership sanitizer {'ON' if meta['fullshard_ownership_sanitizer'] else 'off'}.",
+        "",
+        "## Step time (median over rounds; ratios: median of per-round ratios, min-max)",
+        "",
+        "| config | rounds | library | setup | step ms | fullshard / FSDP2 | fullshard / DDP |",
+        "|---|---:|---|---|---:|---:|---:|",
+    ]
+    for config in summary["configurations"]:
+        for label, lib in config["libraries"].items():
+            vs_fsdp2 = config["ratios"].get(f"{label}/fsdp2")
+            vs_ddp = config["ratios"].get(f"{label}/ddp")
+            lines.append(
+                f"| {config['name']} | {config['rounds']} | {label} | `{lib['setup']}` | {lib['step_s']['median'] * 1e3:.1f} | "
+                f"{_ratio(vs_fsdp2) if vs_fsdp2 else ''} | {_ratio(vs_ddp) if vs_ddp else ''} |"
+            )
+    lines += [
+        "",
+        "## Memory per rank, MiB (largest rank)",
+        "",
+        "| config | library | peak in step | held between steps | params+grads+optim | comm peak | transient comm peak | peak RSS |",
+        "|---|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for config in summary["configurations"]:
+        for label, lib in config["libraries"].items():
+            ranks = lib["memory_per_rank"]
+            keys = ("peak_bytes", "held_bytes", "comm_peak_bytes", "transient_comm_peak_bytes", "rss_peak_bytes")
+            largest = {key: max(r[key] for r in ranks) for key in keys}
+            state = max(sum(r["state_bytes"].values()) for r in ranks)
+            sampled = "" if lib["library"] == "fullshard" else " *"
+            lines.append(
+                f"| {config['name']} | {label} | {_mib(largest['peak_bytes'])} | {_mib(largest['held_bytes'])} | "
+                f"{_mib(state)} | {_mib(largest['comm_peak_bytes'])}{sampled} | "
+                f"{_mib(largest['transient_comm_peak_bytes'])}{sampled} | {_mib(largest['rss_peak_bytes'])} |"
+            )
+    lines += [
+        "",
+        "\\* sampled estimate (lower bound); fullshard's is its own exact meter.",
+        "",
+        "## Bytes moved per step per rank, MiB: measured (theory)",
+        "",
+        "| config | library | all_gather | reduce_scatter | all_reduce |",
+        "|---|---|---:|---:|---:|",
+    ]
+    for config in summary["configurations"]:
+        for label, lib in config["libraries"].items():
+            cells = [f"{_mib(lib['bytes_per_step'][k])} ({_mib(lib['theory_bytes_per_step'][k])})" for k in KINDS]
+            lines.append(f"| {config['name']} | {label} | " + " | ".join(cells) + " |")
+    lines += ["", "## Methods", ""] + [f"- **{key}**: {text}" for key, text in summary["methods"].items()]
+    return "\n".join(lines) + "\n"
+
+
+def _write(summary: dict, table: str, out_dir: Path) -> tuple[Path, Path]:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    stem = f"{summary['meta']['date']}-{summary['meta']['host']}"
+    json_path, md_path = out_dir / f"{stem}.json", out_dir / f"{stem}.md"
+    json_path.write_text(json.dumps(summary, indent=1))
+    md_path.write_text(table)
+    return json_path, md_path
+
+
+# ---------------------------------------------------------------------- command line
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m fullshard.bench", description=__doc__.split("\n")[0])
+    parser.add_argument("--nproc", type=int, default=2, help="local processes (default 2)")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="cpu (gloo) or cuda (NCCL)")
+    parser.add_argument("--model", choices=sorted(MODELS), default="default", help="default: the ~14M GPT")
+    parser.add_argument("--tiny", action="store_const", const="tiny", dest="model", help="same as --model tiny")
+    parser.add_argument("--rounds", type=int, help=f"timed rounds (default: as many as fit in --budget, {MIN_ROUNDS} to {MAX_ROUNDS})")
+    parser.add_argument("--budget", type=float, help="seconds of timed rounds per configuration (default 60; 1 with --tiny)")
+    parser.add_argument("--batch-size", type=int, default=4, help="sequences per rank (default 4)")
+    parser.add_argument("--configs", nargs="+", choices=[c.name for c in configurations()], help="default: all")
+    parser.add_argument("--threads", type=int, help="torch threads per rank (default: cores / nproc)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--timeout", type=int, default=600, help="collective timeout in seconds")
+    parser.add_argument("--out-dir", default="benchmarks/results", help="where the JSON and Markdown go")
+    return parser
+
+
+def _options(args: argparse.Namespace, argv: list[str]) -> dict:
+    if args.nproc < 1 or args.batch_size < 1 or (args.rounds is not None and args.rounds < 1):
+        raise SystemExit("fullshard.bench: --nproc, --batch-size and --rounds must be >= 1")
+    if args.device == "cuda" and torch.cuda.device_count() < args.nproc:
+        raise SystemExit(f"fullshard.bench: --device cuda needs {args.nproc} GPUs, found {torch.cuda.device_count()}")
+    return {
+        "nproc": args.nproc, "device": args.device, "model": args.model, "rounds": args.rounds,
+        "budget": args.budget if args.budget is not None else DEFAULT_BUDGET_S[args.model],
+        "batch_size": args.batch_size, "configs": args.configs, "seed": args.seed, "timeout": args.timeout,
+        "threads": args.threads or max(1, (os.cpu_count() or 1) // args.nproc),
+        "out_dir": str(Path(args.out_dir).resolve()),
+        "command": " ".join(["python -m fullshard.bench", *argv]),
+    }
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    from torch.multiprocessing.spawn import ProcessException
+
+    argv = sys.argv[1:] if argv is None else argv
+    options = _options(_parser().parse_args(argv), argv)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+    os.environ.setdefault("OMP_NUM_THREADS", str(options["threads"]))
+    rounds = options["rounds"] or f"up to {options['budget']:g} s of"
+    print(f"fullshard.bench: {options['nproc']} processes, model {options['model']}, {rounds} timed rounds "
+          "per configuration", flush=True)
+    try:
+        torch.multiprocessing.start_processes(_worker, args=(options,), nprocs=options["nproc"], start_method="spawn")
+    except ProcessException as error:
+        print(f"fullshard.bench: a rank failed:\n{error}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
