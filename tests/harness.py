@@ -78,6 +78,29 @@ def assert_scenario(results: dict[str, list[dict]], name: str) -> list[dict]:
     return [res.get("data") for res in results[name]]
 
 
+def suite_tests(target: str, world_sizes: tuple[int, ...] = (2,), env: dict | None = None):
+    """A pytest fixture and test for suite ``target``: one spawn per world size, one test per scenario.
+
+    Use at module level: ``results, test_scenario = suite_tests("tests.suite_x:suite")``.
+    """
+    import importlib
+
+    import pytest
+
+    module_name, _, func_name = target.partition(":")
+    names = list(getattr(importlib.import_module(module_name), func_name)())
+
+    @pytest.fixture(scope="module", params=world_sizes, ids=[f"{n}ranks" for n in world_sizes])
+    def results(request):
+        return run_suite(target, world_size=request.param, timeout=600, env=env)
+
+    @pytest.mark.parametrize("name", names)
+    def test_scenario(results, name):
+        assert_scenario(results, name)
+
+    return results, test_scenario
+
+
 def _worker(target: str, out: str) -> None:
     import datetime
     import importlib

@@ -1,15 +1,4 @@
 """Issue 3 strategies: parity for every strategy x precision x accumulation, on 2 gloo ranks."""
-import pytest
+from tests.harness import suite_tests
 
-from tests.harness import assert_scenario, run_suite
-from tests.suite_strategies import suite
-
-
-@pytest.fixture(scope="module")
-def results():
-    return run_suite("tests.suite_strategies:suite", world_size=2, timeout=600)
-
-
-@pytest.mark.parametrize("name", list(suite()))
-def test_scenario(results, name):
-    assert_scenario(results, name)
+results, test_scenario = suite_tests("tests.suite_strategies:suite", world_sizes=(2,))
