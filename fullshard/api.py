@@ -133,8 +133,8 @@ class FSDPModule:
                 state.group.reshard_after_backward = reshard_after_backward
 
     def set_is_last_backward(self, is_last_backward: bool) -> None:
-        """Accepted for FSDP2 compatibility: every backward already waits for its reductions."""
-        self._fullshard_state.is_last_backward = is_last_backward
+        """Accepted for FSDP2 compatibility; nothing to do: every backward already waits for its
+        reductions and keeps no prefetch state across backward passes."""
 
     def set_modules_to_forward_prefetch(self, modules: list["FSDPModule"]) -> None:
         """Start these modules' all-gathers right after this module's, in forward."""

@@ -70,7 +70,6 @@ class ShardState:
         self._final_callback_queued = False
         self._forward_thread: Optional[int] = None
         self._pending_reduces: list[PendingReduce] = []
-        self.is_last_backward = True
         if group is not None:
             group.on_grad_ready = self._on_grad_ready
         for module in modules:
