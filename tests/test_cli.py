@@ -2,11 +2,12 @@
 import importlib.util
 import json
 import os
-import signal
-import time
+import re
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -177,3 +178,42 @@ def test_interrupt_keeps_the_last_checkpoint_and_resume_continues(tmp_path, sign
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     report = json.loads((tmp_path / "resumed" / "report.json").read_text())
     assert report["steps"] == [last, last + 1]
+
+
+def _training_workers(launcher_pid: int) -> list[int]:
+    """PIDs of the processes the launcher spawned to train (children of any of its threads)."""
+    children = []
+    for task in Path(f"/proc/{launcher_pid}/task").iterdir():
+        children += (task / "children").read_text().split()
+    workers = []
+    for child in set(children):
+        try:
+            cmdline = Path(f"/proc/{child}/cmdline").read_bytes()
+        except OSError:
+            continue
+        if b"spawn_main" in cmdline and b"resource_tracker" not in cmdline:
+            workers.append(int(child))
+    return workers
+
+
+def test_a_dead_worker_is_reported_by_rank(tmp_path):
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "fullshard", "train", *TINY, "--steps", "2000", "--out", str(tmp_path)],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+    )
+    try:
+        deadline = time.monotonic() + 120
+        workers = []
+        while len(workers) < 2:
+            assert proc.poll() is None and time.monotonic() < deadline, "workers did not start"
+            time.sleep(0.5)
+            workers = _training_workers(proc.pid)
+        time.sleep(5)  # let them reach the training loop
+        os.kill(workers[0], signal.SIGKILL)
+        _, err = proc.communicate(timeout=180)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 1, err[-2000:]
+    # the one killed (exit code -9) is named, not the survivors that stopped because of it
+    assert re.search(r"rank \d failed first \(exit code -9\)", err.splitlines()[-1]), err[-2000:]
