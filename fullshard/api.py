@@ -183,6 +183,11 @@ def _post_forward_group(shard_group: dist.ProcessGroup, size: int) -> dist.Proce
     return _POST_FORWARD_GROUPS[block]
 
 
+def _device_accepted(param_device: torch.device, mesh_device: torch.device) -> bool:
+    """Meta and CPU parameters are accepted (CPU ones are moved, as in FSDP2); others must be on the mesh's device."""
+    return param_device.type in ("meta", "cpu") or param_device == mesh_device
+
+
 def _mesh_device(mesh: DeviceMesh) -> torch.device:
     if mesh.device_type == "cpu":
         return torch.device("cpu")
@@ -309,9 +314,7 @@ def fully_shard(
                 "already applied to; tied parameters must belong to one unit: apply fully_shard to "
                 "their common parent only"
             )
-        if param.device.type not in ("meta", "cpu", device.type) or (
-            param.device.type == device.type != "cpu" and param.device != device
-        ):
+        if not _device_accepted(param.device, device):
             raise ValueError(
                 f"fully_shard({name}): parameter '{fqn}' is on {param.device} but the mesh uses {device}; "
                 f"move the module to {device} (or to the CPU or meta device, which fully_shard moves) first"

@@ -202,3 +202,14 @@ def test_offloaded_shards_get_copied_gradients():
     plan = plan_reduce(bucket, (layout,), True, True, True, offloaded=True)
     assert plan.sharded_grad is ShardedGrad.COPY and plan.input is Ownership.BORROWED
     assert plan_reduce(bucket, (layout,), True, True, True, all_reduce=True, offloaded=True).sharded_grad is ShardedGrad.COPY
+
+
+@pytest.mark.parametrize("param_device, mesh_device, accepted", [
+    ("cpu", "cpu", True), ("meta", "cuda:0", True), ("cpu", "cuda:0", True),  # moved / materialized later
+    ("cuda:0", "cuda:0", True), ("cuda:1", "cuda:0", False), ("cuda:0", "cpu", False),
+])
+def test_parameter_devices_fully_shard_accepts(param_device, mesh_device, accepted):
+    """The device rule of fully_shard (its error path needs a second device type to reach end to end)."""
+    from fullshard.api import _device_accepted
+
+    assert _device_accepted(torch.device(param_device), torch.device(mesh_device)) is accepted
