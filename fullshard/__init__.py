@@ -11,6 +11,7 @@ _EXPORTS = {
     "fully_shard": "fullshard.api",
     "FSDPModule": "fullshard.api",
     "UnshardHandle": "fullshard.api",
+    "register_fsdp_forward_method": "fullshard.api",
     "MixedPrecisionPolicy": "fullshard.policies",
     "OffloadPolicy": "fullshard.policies",
     "CPUOffloadPolicy": "fullshard.policies",

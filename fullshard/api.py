@@ -153,6 +153,22 @@ class FSDPModule:
                 state.group.divide_factor = float(factor)
 
 
+def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
+    """Make ``module.<method_name>`` (e.g. ``generate``) gather and free parameters like ``forward``.
+
+    Only ``forward`` runs through module hooks; other methods that use the
+    parameters need this (FSDP2 has the same function).
+    """
+    state = _state_of(module, "register_fsdp_forward_method")
+    method = getattr(module, method_name)
+
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        args, kwargs = state._pre_forward(module, args, kwargs)
+        return state._post_forward(module, args, method(*args, **kwargs))
+
+    setattr(module, method_name, wrapped)
+
+
 def _state_of(module: Any, caller: str) -> ShardState:
     state = getattr(module, "_fullshard_state", None)
     if state is None:

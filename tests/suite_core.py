@@ -4,6 +4,7 @@ Run by tests/test_core.py on 2 gloo ranks; each entry is one scenario.
 """
 from __future__ import annotations
 
+import copy
 import functools
 
 import pytest
@@ -201,7 +202,7 @@ def suite():
         seed_config_fp32_reduce, bf16_compute_fp32_reduce, torch_layers_model, dim1_sharding, uneven_shapes,
         tied_weights, gradient_accumulation, clip_grad_norm, mixed_precision_casts_inputs_and_outputs,
         no_sync_and_reshard_after_backward_controls, implicit_prefetch_in_forward_and_backward,
-        activation_checkpointing, block_used_twice_per_forward,
+        activation_checkpointing, block_used_twice_per_forward, forward_method_registration,
     ]}
 
 
@@ -335,3 +336,33 @@ class SharedBlockTwice(nn.Module):
 def block_used_twice_per_forward():
     mesh = mesh_1d()
     return run_parity(SharedBlockTwice, lambda m: shard_blocks_then_root(m, mesh=mesh)).losses
+
+
+def forward_method_registration():
+    """register_fsdp_forward_method: a method other than forward (generate) gathers like forward."""
+    from fullshard import register_fsdp_forward_method
+
+    class Generator(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.gpt = build_gpt()
+
+        def forward(self, tokens):
+            return self.gpt(tokens)
+
+        @torch.no_grad()
+        def generate(self, tokens, steps):
+            for _ in range(steps):  # uses the root's own parameters outside forward
+                logits = self.gpt.lm_head(self.gpt.ln_f(self.gpt.wte(tokens)))
+                tokens = torch.cat([tokens, logits[:, -1:].argmax(-1)], dim=1)
+            return tokens
+
+    torch.manual_seed(0)
+    reference = Generator()
+    model = copy.deepcopy(reference)
+    fully_shard(model, mesh=mesh_1d())
+    register_fsdp_forward_method(model, "generate")
+    start = torch.randint(0, 64, (1, 4))
+    assert torch.equal(model.generate(start, 3), reference.generate(start, 3))
+    assert isinstance(model.gpt.wte.weight, DTensor)  # sharded again afterwards
+    return True
