@@ -227,7 +227,7 @@ def load_state_dict_sharded_dtensors():
 
 
 def load_state_dict_full_tensors():
-    """Plain full tensors (e.g. from an unsharded model) in load_state_dict. Needs a runtime change (report)."""
+    """Plain full tensors (e.g. from an unsharded model) in load_state_dict: each rank keeps its shard."""
     model, ref = sharded(0), build(1)
     model.load_state_dict(ref.state_dict())
     for key, value in model.state_dict().items():
@@ -260,9 +260,8 @@ def load_after_eval_forward_not_stale():
     """Loading new values after a forward that left the root unsharded: the next forward must use them.
 
     A no_grad forward keeps the root's unsharded parameters (it does not
-    reshard after forward, and no backward comes). PyTorch's FSDP2 reshards in
-    state_dict/load_state_dict pre-hooks; fullshard has no such hook, so the
-    next forward reuses the stale gathered copy. Needs a runtime change (report).
+    reshard after forward, and no backward comes); loading must make the next
+    forward gather again.
     """
     tokens = local_batch(0)[0]
     donor_ref = build(1)
@@ -286,7 +285,7 @@ def load_after_eval_forward_not_stale():
 
 
 def load_after_eval_forward_with_reshard():
-    """The workaround until the runtime reshards on load: reshard() every FSDP module before loading."""
+    """Explicit reshard() of every FSDP module before loading gives the same result."""
     tokens = local_batch(0)[0]
     with torch.no_grad():
         expected = build(1)(tokens)

@@ -31,15 +31,6 @@ from tests.suite_checkpoint import CFG, assert_same
 from tests.suite_checkpoint import suite as suite2
 from tests.suite_checkpoint4 import suite as suite4
 
-# Scenarios that fail because of the runtime (fullshard/runtime, fullshard/api.py), not the checkpoint code.
-RUNTIME_XFAIL: dict[str, str] = {}  # runtime bugs found by these tests: none open
-
-
-def _params(names):
-    return [
-        pytest.param(n, marks=pytest.mark.xfail(strict=True, reason=RUNTIME_XFAIL[n])) if n in RUNTIME_XFAIL else n
-        for n in names
-    ]
 
 
 @pytest.fixture(scope="module")
@@ -58,12 +49,12 @@ def results4(results, ckpt_root):
     return run_suite("tests.suite_checkpoint4:suite", 4, timeout=900, env={"FULLSHARD_TEST_CKPT": str(ckpt_root)})
 
 
-@pytest.mark.parametrize("name", _params(suite2()))
+@pytest.mark.parametrize("name", list(suite2()))
 def test_two_ranks(results, name):
     assert_scenario(results, name)
 
 
-@pytest.mark.parametrize("name", _params(suite4()))
+@pytest.mark.parametrize("name", list(suite4()))
 def test_four_ranks(results4, name):
     assert_scenario(results4, name)
 
