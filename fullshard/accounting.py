@@ -14,8 +14,8 @@ from typing import Optional
 import torch
 import torch.nn as nn
 
-from fullshard.buffers import comm_bytes, reset_peak_comm_bytes
-from fullshard.plan.strategy import Strategy, peak_state_bytes, traffic_bytes_per_step
+from fullshard.buffers import comm_bytes
+from fullshard.plan.strategy import peak_state_bytes, traffic_bytes_per_step
 from fullshard.runtime.collectives import traffic
 
 
@@ -98,4 +98,4 @@ def memory_report(model: nn.Module, optimizer: Optional[torch.optim.Optimizer] =
     return report
 
 
-__all__ = ["memory_report", "reset_traffic", "traffic_bytes", "reset_peak_comm_bytes", "Strategy"]
+__all__ = ["memory_report", "reset_traffic", "traffic_bytes"]

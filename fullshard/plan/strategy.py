@@ -43,7 +43,6 @@ class Strategy(enum.Enum):
 
 @dataclass(frozen=True)
 class Lifecycle:
-    shard_params: bool
     reshard_after_forward: bool
     reshard_after_backward: bool
     all_reduce: bool  # True: all-reduce full gradients (replicated); False: reduce-scatter
@@ -53,31 +52,12 @@ class Lifecycle:
 def lifecycle(strategy: Strategy, is_root: bool, reshard_after_forward: Optional[bool] = None) -> Lifecycle:
     """The flags of ``strategy``; an explicit ``reshard_after_forward`` (FSDP2's argument) wins."""
     if strategy is Strategy.NO_SHARD:
-        return Lifecycle(False, False, False, True, False)
+        return Lifecycle(False, False, True, False)
     if strategy is Strategy.OPTIM_GRADS_PARAMS:
         after_forward = (not is_root) if reshard_after_forward is None else reshard_after_forward
-        return Lifecycle(True, after_forward, True, False, False)
+        return Lifecycle(after_forward, True, False, False)
     after_forward = False if reshard_after_forward is None else reshard_after_forward
-    return Lifecycle(True, after_forward, False, False, strategy is Strategy.OPTIM)
-
-
-def state_bytes_per_param(
-    strategy: Strategy, world: int, param_bytes: int = 4, grad_bytes: int = 4, optim_bytes: int = 8
-) -> float:
-    """Bytes per parameter each rank holds in parameters + gradients + optimizer state (ZeRO's formulas).
-
-    Adam in fp32: ``param_bytes=4, grad_bytes=4, optim_bytes=8`` gives 16 (replicated),
-    8 + 8/N (ZeRO-1), 4 + 12/N (ZeRO-2) and 16/N (ZeRO-3). The unsharded
-    working copy of the largest unit in flight comes on top (see
-    :func:`peak_state_bytes`).
-    """
-    p, g, o, n = param_bytes, grad_bytes, optim_bytes, world
-    return {
-        Strategy.NO_SHARD: p + g + o,
-        Strategy.OPTIM: p + g + o / n,
-        Strategy.OPTIM_GRADS: p + (g + o) / n,
-        Strategy.OPTIM_GRADS_PARAMS: (p + g + o) / n,
-    }[strategy]
+    return Lifecycle(after_forward, False, False, strategy is Strategy.OPTIM)
 
 
 def peak_state_bytes(
@@ -90,7 +70,13 @@ def peak_state_bytes(
     optim_bytes: int = 8,
     compute_bytes: Optional[int] = None,
 ) -> dict[str, float]:
-    """Per-rank bytes for parameters, gradients, optimizer state and the largest unsharded unit."""
+    """Per-rank bytes for parameters, gradients, optimizer state and the unsharded working copies.
+
+    params + grads + optim follow ZeRO's formulas: for fp32 Adam (4, 4, 8
+    bytes) 16 per parameter replicated, 8 + 8/N for ZeRO-1, 4 + 12/N for
+    ZeRO-2 and 16/N for ZeRO-3. ``unsharded`` is the largest unit in flight
+    (ZeRO-3) or the whole model kept between steps (ZeRO-1/2).
+    """
     n = world
     compute = param_bytes if compute_bytes is None else compute_bytes
     sharded = strategy is not Strategy.NO_SHARD

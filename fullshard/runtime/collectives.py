@@ -74,6 +74,16 @@ def pack_rank_chunks(
             chunk.narrow(layout.dim, length, layout.chunk - length).zero_()
 
 
+def unpack_rank_chunks(flat: torch.Tensor, bucket: BucketLayout, params: Sequence[ShardedParam],
+                       fulls: Sequence[torch.Tensor]) -> None:
+    """The inverse of :func:`pack_rank_chunks` for all ranks: rebuild full tensors, padding dropped."""
+    for index, (param, full) in enumerate(zip(params, fulls)):
+        layout = param.layout
+        for rank, chunk in enumerate(_rank_chunks(flat, bucket, index, param)):
+            length = layout.local_length(rank)
+            full.narrow(layout.dim, layout.local_offset(rank), length).copy_(chunk.narrow(layout.dim, 0, length))
+
+
 @dataclass
 class PendingGather:
     """An issued all-gather; ``finish()`` waits, copies out where planned, releases its inputs."""
@@ -97,17 +107,10 @@ class PendingGather:
             pass
         self.version_guard = None
         if self.copy_out is not None:
-            out = self.copy_out.tensor
-            with torch.no_grad():
-                for index, param in enumerate(self.params):
-                    layout = param.layout
-                    target = param.unsharded_storage.writable("copy out of the all-gather")
-                    with torch.autograd._unsafe_preserve_version_counter(target):
-                        for rank, chunk in enumerate(_rank_chunks(out, self.bucket, index, param)):
-                            length = layout.local_length(rank)
-                            target.narrow(layout.dim, layout.local_offset(rank), length).copy_(
-                                chunk.narrow(layout.dim, 0, length)
-                            )
+            targets = [p.unsharded_storage.writable("copy out of the all-gather") for p in self.params]
+            # as above: same values refilled into storage autograd saved
+            with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(tuple(targets)):
+                unpack_rank_chunks(self.copy_out.tensor, self.bucket, self.params, targets)
             self.transient.append(self.copy_out)
         buffers.release_all(self.transient)
 
