@@ -55,7 +55,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from fullshard.models.gpt import GPT, GPTConfig
-from fullshard.plan.strategy import Strategy, traffic_bytes_per_step
+from fullshard.plan.strategy import Strategy, bytes_sent_per_rank, traffic_bytes_per_step
 
 MODELS = {
     "default": GPTConfig(vocab_size=8192, seq_len=128, d_model=384, n_layers=6, n_heads=6),
@@ -66,7 +66,8 @@ MODELS = {
 # three pairs at least for a median with a spread, and no more than needed.
 MIN_ROUNDS, MAX_ROUNDS = 3, 30
 DEFAULT_BUDGET_S = {"default": 60.0, "tiny": 1.0}
-KINDS = ("all_gather", "reduce_scatter", "all_reduce")
+KINDS = ("all_gather", "reduce_scatter", "all_reduce")  # collectives, by their payload
+POINT_TO_POINT = "point_to_point"  # bytes sent by isend/send
 # Steps before the measured memory step: lazy initialization and optimizer
 # state; DDP also rebuilds its gradient buckets at the start of its second.
 WARMUP_STEPS = {"fullshard": 1, "fsdp2": 1, "ddp": 2}
@@ -136,14 +137,19 @@ _COLLECTIVES = {
     "reduce_scatter_tensor": ("reduce_scatter", "input"),
     "_reduce_scatter_base": ("reduce_scatter", "input"),
     "all_reduce": ("all_reduce", "tensor"),
+    # Point-to-point: a send counts the bytes it sends; receives are only watched (memory phase).
+    "isend": (POINT_TO_POINT, "tensor"),
+    "send": (POINT_TO_POINT, "tensor"),
+    "irecv": (None, "tensor"),
+    "recv": (None, "tensor"),
 }
 
 
 class CollectiveMeter:
-    """Payload bytes of every ``torch.distributed`` collective issued while a label is set.
+    """Payload bytes of every ``torch.distributed`` collective (and bytes sent point to point) while counting.
 
-    Install it before importing fullshard: fullshard binds its collective
-    functions at import time, FSDP2 and DDP's comm hook look them up per call.
+    Install it before any library runs: fullshard, FSDP2 and DDP's comm hook
+    all look these functions up in ``torch.distributed`` at each call.
     """
 
     def __init__(self) -> None:
@@ -163,7 +169,7 @@ class CollectiveMeter:
     def _wrap(self, original: Callable, kind: str, arg: str, position: int) -> Callable:
         def counted(*args, **kwargs):
             result = original(*args, **kwargs)
-            if self._counts is not None:
+            if self._counts is not None and kind is not None:
                 payload = args[position] if len(args) > position else kwargs[arg]
                 self._counts[kind] += payload.numel() * payload.element_size()
             if self.watchers:
@@ -711,14 +717,18 @@ def _summarize_contender(contender: Contender, config: Configuration, ranks: lis
     # A step lasts as long as its slowest rank.
     round_times = [max(times) for times in zip(*(t["times"] for t in timings))]
     steps = timings[0]["bytes"]
-    moved = {kind: steps[0].get(kind, 0) for kind in KINDS}
+    moved = {kind: steps[0].get(kind, 0) for kind in (*KINDS, POINT_TO_POINT)}
+    theory = theory_bytes(contender, config.precision, run.world, counts)
     entry = {
         "library": contender.library,
         "setup": contender.setup,
         "step_s": {**_spread(round_times), "rounds": round_times},
         "bytes_per_step": moved,
         "bytes_same_every_step_and_rank": all(s == steps[0] for t in timings for s in t["bytes"]),
-        "theory_bytes_per_step": theory_bytes(contender, config.precision, run.world, counts),
+        "theory_bytes_per_step": theory,
+        # What each rank sends: point-to-point as counted, collectives as a bandwidth-optimal algorithm would.
+        "sent_per_step": bytes_sent_per_rank(moved, run.world) + moved[POINT_TO_POINT],
+        "theory_sent_per_step": bytes_sent_per_rank(theory, run.world),
         "theory_strategy": contender.theory.value,
         "memory_per_rank": [rank["memory"][contender.label] for rank in ranks],
         # Same weights and batch at step 0 for every library: these should agree.
@@ -788,10 +798,15 @@ METHODS = {
         "many as fit in --budget seconds judged by the memory phase's measured steps."
     ),
     "bytes": (
-        "torch.distributed collectives wrapped before any library is imported; each call counts its full buffer "
-        "(all-gather output, reduce-scatter input, all-reduce tensor). DDP's C++ all-reduce is replaced by torch's "
-        "Python allreduce_hook so that it goes through torch.distributed.all_reduce. Theory: "
-        "fullshard.plan.strategy.traffic_bytes_per_step (ZeRO-2 rows use the optim_grads formula)."
+        "torch.distributed collectives and point-to-point sends wrapped before any library runs; each collective "
+        "counts its full buffer (all-gather output, reduce-scatter input, all-reduce tensor), each send its "
+        "tensor. DDP's C++ all-reduce is replaced by torch's Python allreduce_hook so that it goes through "
+        "torch.distributed.all_reduce. Theory: fullshard.plan.strategy.traffic_bytes_per_step (ZeRO-2 rows use "
+        "the optim_grads formula). Sent per rank: point-to-point bytes as counted plus, for collectives, what a "
+        "bandwidth-optimal algorithm sends (fullshard.plan.strategy.bytes_sent_per_rank: (N-1)/N of an "
+        "all-gather or reduce-scatter, 2(N-1)/N of an all-reduce), next to the same function of the theory. "
+        "fullshard on gloo exchanges by point-to-point sends (fullshard.plan.exchange), so its bytes show "
+        "there; its own logical count by collective is in fullshard_self_reported_bytes."
     ),
     "memory_cpu": (
         "untimed phase per library before the timed rounds: build, warm-up step(s), one measured step, all "
@@ -880,14 +895,19 @@ def format_markdown(summary: dict) -> str:
         "",
         "\\* sampled estimate (lower bound); fullshard's is its own exact meter.",
         "",
-        "## Bytes moved per step per rank, MiB: measured (theory)",
+        "## Bytes moved per step per rank, MiB",
         "",
-        "| config | library | all_gather | reduce_scatter | all_reduce |",
-        "|---|---|---:|---:|---:|",
+        "Collectives by payload (full buffer), measured (theory); point-to-point by bytes sent; "
+        "then all of it as bytes sent per rank, measured (theoretical minimum).",
+        "",
+        "| config | library | all_gather | reduce_scatter | all_reduce | point-to-point | sent (minimum) |",
+        "|---|---|---:|---:|---:|---:|---:|",
     ]
     for config in summary["configurations"]:
         for label, lib in config["libraries"].items():
             cells = [f"{_mib(lib['bytes_per_step'][k])} ({_mib(lib['theory_bytes_per_step'][k])})" for k in KINDS]
+            cells.append(_mib(lib["bytes_per_step"][POINT_TO_POINT]))
+            cells.append(f"{_mib(lib['sent_per_step'])} ({_mib(lib['theory_sent_per_step'])})")
             lines.append(f"| {config['name']} | {label} | " + " | ".join(cells) + " |")
     lines += ["", "## Methods", ""] + [f"- **{key}**: {text}" for key, text in summary["methods"].items()]
     return "\n".join(lines) + "\n"

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from fullshard.bench import KINDS, configurations
+from fullshard.bench import KINDS, POINT_TO_POINT, configurations
 
 ROOT = Path(__file__).resolve().parent.parent
 ROUNDS = 3
@@ -57,10 +57,14 @@ def test_fullshard_bytes_moved_equal_its_theoretical_figure(bench):
         if lib["library"] != "fullshard":
             continue
         assert lib["bytes_same_every_step_and_rank"], (config["name"], label)
+        # on gloo every all-gather and reduce-scatter is a pairwise exchange of point-to-point sends
+        assert all(lib["bytes_per_step"][kind] == 0 for kind in KINDS), (config["name"], label)
+        assert lib["bytes_per_step"][POINT_TO_POINT] > 0, (config["name"], label)
+        # what the sends carried is exactly the theoretical minimum a rank must send
+        assert lib["sent_per_step"] == pytest.approx(lib["theory_sent_per_step"], rel=1e-12), (config["name"], label)
         for kind in KINDS:
-            assert lib["bytes_per_step"][kind] == lib["theory_bytes_per_step"][kind], (config["name"], label, kind)
-            # the wrapped torch.distributed functions saw every collective fullshard counted itself
-            assert lib["fullshard_self_reported_bytes"][kind] == lib["bytes_per_step"][kind], (config["name"], label, kind)
+            # fullshard's own logical count, by collective, is the formula's
+            assert lib["fullshard_self_reported_bytes"][kind] == lib["theory_bytes_per_step"][kind], (config["name"], label, kind)
 
 
 def test_other_libraries_collectives_are_counted_the_same_way(bench):
@@ -71,6 +75,7 @@ def test_other_libraries_collectives_are_counted_the_same_way(bench):
             assert moved["all_gather"] > 0 and moved["reduce_scatter"] > 0, config["name"]
         elif lib["library"] == "ddp":
             assert moved["all_reduce"] == lib["theory_bytes_per_step"]["all_reduce"], config["name"]
+            assert lib["sent_per_step"] == pytest.approx(lib["theory_sent_per_step"]), config["name"]
 
 
 def test_memory_is_measured_per_rank(bench):

@@ -13,15 +13,21 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fullshard.plan import (
+    Exchange,
     Ownership,
     ShardedGrad,
     ShardLayout,
     Unsharded,
+    choose_exchange,
+    exchange_tag,
     plan_buckets,
     plan_gather,
     plan_reduce,
+    reduce_scratch_chunks,
     stores_padded_chunk,
 )
+from fullshard.plan.exchange import MAX_PAIRWISE_RANKS, backend_for_device
+from fullshard.plan.strategy import Strategy, bytes_sent_per_rank, traffic_bytes_per_step
 
 shapes = st.lists(st.integers(0, 9), min_size=1, max_size=4).map(tuple)
 
@@ -213,3 +219,64 @@ def test_parameter_devices_fully_shard_accepts(param_device, mesh_device, accept
     from fullshard.api import _device_accepted
 
     assert _device_accepted(torch.device(param_device), torch.device(mesh_device)) is accepted
+
+
+# ----------------------------------------------------------------------------- exchange
+@pytest.mark.parametrize("backend, device, size, expected", [
+    ("gloo", "cpu", 2, Exchange.PAIRWISE),
+    ("gloo", "cpu", MAX_PAIRWISE_RANKS, Exchange.PAIRWISE),
+    ("gloo", "cpu", MAX_PAIRWISE_RANKS + 1, Exchange.COLLECTIVE),  # scratch would grow with N
+    ("nccl", "cuda", 2, Exchange.COLLECTIVE),
+    ("cpu:gloo,cuda:nccl", "cpu", 4, Exchange.PAIRWISE),
+    ("cpu:gloo,cuda:nccl", "cuda", 4, Exchange.COLLECTIVE),
+    ("gloo", "meta", 2, Exchange.COLLECTIVE),  # not materialized yet: planned again after to_empty
+    ("mpi", "cpu", 2, Exchange.COLLECTIVE),
+])
+def test_exchange_is_pairwise_only_for_cpu_tensors_on_gloo(backend, device, size, expected):
+    assert choose_exchange(backend, device, size) is expected
+
+
+def test_backend_string_is_read_per_device():
+    assert backend_for_device("cpu:gloo,cuda:nccl", "cuda") == "nccl"
+    assert backend_for_device("cuda:nccl", "cpu") == ""
+    assert backend_for_device("gloo", "cpu") == "gloo"
+
+
+def test_exchange_override_wins_and_bad_values_name_the_variable():
+    assert choose_exchange("gloo", "cpu", 2, override="collective") is Exchange.COLLECTIVE
+    assert choose_exchange("nccl", "cuda", 2, override=" Pairwise ") is Exchange.PAIRWISE
+    with pytest.raises(ValueError, match="FULLSHARD_EXCHANGE='ring'.*'collective' or 'pairwise'"):
+        choose_exchange("gloo", "cpu", 2, override="ring")
+
+
+def test_pairwise_reduce_scatter_scratch():
+    assert [reduce_scratch_chunks(Exchange.PAIRWISE, n) for n in (1, 2, 3, 4, 8)] == [0, 0, 1, 2, 6]
+    assert reduce_scratch_chunks(Exchange.COLLECTIVE, 8) == 0
+
+
+def test_exchange_tags_are_stable_and_distinct():
+    label = "[layers.0.attn.weight] of module 'layers.0'"
+    assert exchange_tag(label, "all_gather") == exchange_tag(label, "all_gather")  # no per-process salt
+    tags = {exchange_tag(f"[layers.{i}.w] of module 'layers.{i}'", kind) for i in range(100) for kind in ("all_gather", "reduce_scatter")}
+    assert len(tags) == 200 and all(0 <= t < 2**31 for t in tags)
+    # a fixed value: a change of the hash would break ranks running different fullshard versions silently
+    assert exchange_tag("x", "all_gather") == 0x1A38897E
+
+
+def test_pairwise_gathers_pack_owned_inputs_into_the_output():
+    even = ShardLayout((8, 4), 0, 2)
+    fused = plan_buckets([even, even], 1 << 20)[0]
+    single = plan_buckets([even], 0)[0]
+    assert plan_gather(fused, (even, even), False, exchange=Exchange.PAIRWISE).packs_into_output
+    assert plan_gather(single, (even,), True, exchange=Exchange.PAIRWISE).packs_into_output  # a cast
+    assert not plan_gather(single, (even,), False, exchange=Exchange.PAIRWISE).packs_into_output  # borrowed: sent as is
+    assert not plan_gather(fused, (even, even), False, exchange=Exchange.COLLECTIVE).packs_into_output
+
+
+@pytest.mark.parametrize("world", [2, 4, 8])
+def test_bytes_sent_are_the_bandwidth_optimal_share(world):
+    zero3 = traffic_bytes_per_step(Strategy.OPTIM_GRADS_PARAMS, world, 1000, root_params=100)
+    share = (world - 1) / world
+    assert bytes_sent_per_rank(zero3, world) == pytest.approx(share * (1900 + 1000) * 4)
+    ddp = traffic_bytes_per_step(Strategy.NO_SHARD, world, 1000)
+    assert bytes_sent_per_rank(ddp, world) == pytest.approx(2 * share * 4000)

@@ -1,4 +1,5 @@
 """Framework-free planning: layouts, buckets and buffer ownership (no torch import)."""
+from fullshard.plan.exchange import Exchange, choose_exchange, exchange_tag, reduce_scratch_chunks
 from fullshard.plan.layout import BucketLayout, ShardLayout, ceil_div, plan_buckets
 from fullshard.plan.ownership import (
     GatherPlan,
@@ -13,6 +14,7 @@ from fullshard.plan.ownership import (
 
 __all__ = [
     "BucketLayout",
+    "Exchange",
     "GatherPlan",
     "Ownership",
     "ReducePlan",
@@ -20,8 +22,11 @@ __all__ = [
     "ShardedGrad",
     "Unsharded",
     "ceil_div",
+    "choose_exchange",
+    "exchange_tag",
     "plan_buckets",
     "plan_gather",
     "plan_reduce",
+    "reduce_scratch_chunks",
     "stores_padded_chunk",
 ]

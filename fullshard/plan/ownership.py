@@ -18,6 +18,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
+from fullshard.plan.exchange import Exchange
 from fullshard.plan.layout import BucketLayout, ShardLayout
 
 
@@ -45,6 +46,9 @@ class GatherPlan:
     input: Ownership
     output: Ownership
     unsharded: Unsharded
+    # An owned input is packed straight into this rank's chunk of the output
+    # (pairwise exchange sends from there): no separate input buffer.
+    packs_into_output: bool = False
 
     @property
     def copies_in(self) -> bool:
@@ -77,15 +81,20 @@ def stores_padded_chunk(layout: ShardLayout) -> bool:
     return layout.gather_is_prefix or not layout.needs_padding
 
 
-def plan_gather(bucket: BucketLayout, layouts: tuple[ShardLayout, ...], cast_needed: bool) -> GatherPlan:
+def plan_gather(
+    bucket: BucketLayout, layouts: tuple[ShardLayout, ...], cast_needed: bool,
+    exchange: Exchange = Exchange.COLLECTIVE,
+) -> GatherPlan:
     """All-gather of one bucket.
 
     The input is borrowed (the parameter's own padded storage, read-only)
     when one parameter travels alone as stored; any conversion (``cast_needed``:
     another dtype, or another device when the shards are offloaded) or fusion
-    allocates. The output is always allocated by fullshard. A lone parameter
-    with a prefix layout is used as a view of that output; everything else is
-    copied out of it into storage of its own.
+    needs an owned input: with the pairwise exchange that is this rank's chunk
+    of the output itself, otherwise a buffer of its own. The output is always
+    allocated by fullshard. A lone parameter with a prefix layout is used as a
+    view of that output; everything else is copied out of it into storage of
+    its own.
     """
     lone = bucket.is_single
     layout = layouts[bucket.members[0]]
@@ -95,6 +104,7 @@ def plan_gather(bucket: BucketLayout, layouts: tuple[ShardLayout, ...], cast_nee
         input=Ownership.BORROWED if borrow_input else Ownership.OWNED,
         output=Ownership.OWNED,
         unsharded=Unsharded.VIEW_OF_OUTPUT if view_output else Unsharded.OWN_STORAGE,
+        packs_into_output=not borrow_input and exchange is Exchange.PAIRWISE,
     )
 
 

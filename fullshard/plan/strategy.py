@@ -119,3 +119,16 @@ def traffic_bytes_per_step(
         "reduce_scatter": float(num_params * reduce_bytes),
         "all_reduce": 0.0,
     }
+
+
+def bytes_sent_per_rank(payload: dict[str, float], world: int) -> float:
+    """The fewest bytes a rank must send to carry out collectives of the given payloads.
+
+    A bandwidth-optimal all-gather or reduce-scatter sends (N-1)/N of its full
+    buffer from each rank (ring, or the pairwise exchange); an all-reduce is a
+    reduce-scatter followed by an all-gather, 2(N-1)/N.
+    """
+    share = (world - 1) / world
+    return share * (payload.get("all_gather", 0.0) + payload.get("reduce_scatter", 0.0)) + 2 * share * payload.get(
+        "all_reduce", 0.0
+    )

@@ -16,23 +16,16 @@ import torch.distributed as dist
 
 from fullshard import buffers
 from fullshard.buffers import Borrowed, Owned
-from fullshard.plan import BucketLayout, GatherPlan, Ownership, ReducePlan, ShardedGrad, Unsharded
+from fullshard.plan import (
+    BucketLayout, Exchange, GatherPlan, Ownership, ReducePlan, ShardedGrad, Unsharded, reduce_scratch_chunks,
+)
+from fullshard.runtime import exchange as transport
 from fullshard.runtime.param import ShardedParam
 
 # Payload bytes of every collective issued by this process, by kind (each
 # collective's full buffer: all-gather output, reduce-scatter input,
 # all-reduce buffer). Read and reset through fullshard.accounting.
 traffic: Counter = Counter()
-
-def _all_gather(*args, **kwargs):
-    # torch 2.13 renamed the tensor-in/tensor-out collectives; older releases only have the old
-    # names. Looked up at each call, so wrappers installed later (profilers, benchmarks) see them.
-    return (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(*args, **kwargs)
-
-
-def _reduce_scatter(*args, **kwargs):
-    return (getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor)(*args, **kwargs)
-
 
 class CollectiveError(RuntimeError):
     """A collective failed or timed out (e.g. a peer died); names what it was doing and for whom."""
@@ -115,6 +108,20 @@ class PendingGather:
         buffers.release_all(self.transient)
 
 
+def _pack_local_chunks(flat: torch.Tensor, bucket: BucketLayout, params: Sequence[ShardedParam]) -> None:
+    """Write this rank's padded chunk of every member into ``flat`` (one rank's row of the bucket)."""
+    for index, param in enumerate(params):
+        start = bucket.offsets[index]
+        region = flat[start : start + param.layout.padded_chunk_numel].view(param.layout.padded_chunk_shape)
+        if param.padded_chunk is not None:
+            region.copy_(param.padded_chunk, non_blocking=param.pin_memory)
+        else:
+            local = param.local_shard()
+            length = local.shape[param.layout.dim]
+            region.narrow(param.layout.dim, 0, length).copy_(local)
+            region.narrow(param.layout.dim, length, param.layout.chunk - length).zero_()
+
+
 def gather_bucket(
     bucket: BucketLayout,
     plan: GatherPlan,
@@ -122,6 +129,8 @@ def gather_bucket(
     output: Owned,
     group: dist.ProcessGroup,
     label: str,
+    exchange: Exchange,
+    tag: int,
     kept: Optional[Owned] = None,
 ) -> PendingGather:
     """Start the all-gather of one bucket into ``output`` (owned, already sized).
@@ -131,29 +140,30 @@ def gather_bucket(
     """
     dtype = params[0].compute_dtype
     with torch.no_grad():
-        if kept is not None:
-            source: Owned | Borrowed = kept
-        elif plan.input is Ownership.BORROWED:
-            source = buffers.borrow(params[0].padded_chunk.view(-1), f"sharded storage of {label}")
-        else:
-            source = buffers.allocate(bucket.chunk_numel, dtype, output.tensor.device, f"all-gather input of {label}")
-            flat = source.writable("pack the all-gather input")
-            for index, param in enumerate(params):
-                start = bucket.offsets[index]
-                region = flat[start : start + param.layout.padded_chunk_numel].view(param.layout.padded_chunk_shape)
-                if param.padded_chunk is not None:
-                    region.copy_(param.padded_chunk, non_blocking=param.pin_memory)
-                else:
-                    local = param.local_shard()
-                    length = local.shape[param.layout.dim]
-                    region.narrow(param.layout.dim, 0, length).copy_(local)
-                    region.narrow(param.layout.dim, length, param.layout.chunk - length).zero_()
         out = output.writable("all-gather into")
+        # Taken before anything writes the output (packing, the exchange); see PendingGather.finish.
         version_guard = torch.autograd._unsafe_preserve_version_counter(out)
-        work = _all_gather(out, source.tensor, group=group, async_op=True)
+        transient: list = []
+        in_place = kept is None and plan.packs_into_output
+        if kept is not None:
+            transient.append(kept)
+            source = kept.tensor
+        elif plan.input is Ownership.BORROWED:
+            transient.append(buffers.borrow(params[0].padded_chunk.view(-1), f"sharded storage of {label}"))
+            source = transient[-1].tensor
+        elif in_place:
+            # This rank's row of the owned output is the input: pack it there, no buffer of its own.
+            source = out.view(bucket.world, -1)[dist.get_rank(group)]
+            _pack_local_chunks(source, bucket, params)
+        else:
+            packed = buffers.allocate(bucket.chunk_numel, dtype, output.tensor.device, f"all-gather input of {label}")
+            transient.append(packed)
+            source = packed.writable("pack the all-gather input")
+            _pack_local_chunks(source, bucket, params)
+        work = transport.all_gather(exchange, out, source, group, tag, input_in_place=in_place)
         traffic["all_gather"] += out.numel() * out.element_size()
     copy_out = output if plan.unsharded is Unsharded.OWN_STORAGE else None
-    return PendingGather(work, version_guard, [source], copy_out, bucket, list(params), label)
+    return PendingGather(work, version_guard, transient, copy_out, bucket, list(params), label)
 
 
 def all_reduce_in_place(buffer: Owned, group: dist.ProcessGroup) -> None:
@@ -220,13 +230,15 @@ def reduce_bucket(
     group: dist.ProcessGroup,
     divide_factor: float,
     label: str,
+    exchange: Exchange,
+    tag: int,
     all_reduce: bool = False,
 ) -> PendingReduce:
     """Start the reduce-scatter (sum) of one bucket's unsharded gradients.
 
     ``grads`` were taken from autograd; on the BORROWED path the lone gradient
-    itself is the collective's input and is only ever dropped, never freed or
-    written; otherwise an owned input is packed (cast, padded, fused).
+    itself is the collective's input and is only ever read (sent, summed),
+    never freed or written; otherwise an owned input is packed (cast, padded, fused).
     With ``all_reduce`` (replicated parameters) the packed, owned buffer is
     all-reduced in place and becomes the output.
     """
@@ -243,8 +255,13 @@ def reduce_bucket(
             traffic["all_reduce"] += source.nbytes
             return PendingReduce(work, [], source, bucket, plan, list(params), present, divide_factor, label)
         output = buffers.allocate(bucket.chunk_numel, reduce_dtype, device, f"reduce-scatter output of {label}")
-        work = _reduce_scatter(
-            output.writable("reduce-scatter into"), source.tensor, op=dist.ReduceOp.SUM, group=group, async_op=True
+        scratch = [
+            buffers.allocate(bucket.chunk_numel, reduce_dtype, device, f"reduce-scatter receive buffer of {label}")
+            for _ in range(reduce_scratch_chunks(exchange, dist.get_world_size(group)))
+        ]
+        work = transport.reduce_scatter(
+            exchange, output.writable("reduce-scatter into"), source.tensor, group, tag,
+            [buffer.writable("receive a peer's gradient chunk") for buffer in scratch],
         )
         traffic["reduce_scatter"] += source.tensor.numel() * source.tensor.element_size()
-    return PendingReduce(work, [source], output, bucket, plan, list(params), present, divide_factor, label)
+    return PendingReduce(work, [source, *scratch], output, bucket, plan, list(params), present, divide_factor, label)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import enum
 import functools
+import os
 import weakref
 from typing import Optional
 
@@ -17,7 +18,8 @@ import torch.nn as nn
 
 from fullshard import buffers
 from fullshard.buffers import Owned
-from fullshard.plan import Unsharded, plan_buckets, plan_gather, plan_reduce
+from fullshard.plan import Unsharded, choose_exchange, exchange_tag, plan_buckets, plan_gather, plan_reduce
+from fullshard.plan.exchange import EXCHANGE_ENV
 from fullshard.runtime.collectives import (
     PendingGather,
     PendingReduce,
@@ -88,10 +90,14 @@ class ParamGroup:
         # Only parameters of the same dtypes and trainability share a buffer.
         kinds = tuple((p.stored_dtype, p.compute_dtype, p.requires_grad) for p in params)
         self.buckets = plan_buckets(layouts, self._fuse_below_numel, kinds)
+        self.exchange = choose_exchange(
+            dist.get_backend(self.process_group), params[0].device.type, self.world, os.environ.get(EXCHANGE_ENV)
+        )
         self.gather_plans = [
-            plan_gather(b, layouts, cast_needed=params[b.members[0]].converts_for_compute) for b in self.buckets
+            plan_gather(b, layouts, cast_needed=params[b.members[0]].converts_for_compute, exchange=self.exchange)
+            for b in self.buckets
         ]
-        self.labels = [self._label(b.members) for b in self.buckets]
+        self._name_buckets()
         # Outputs of lone all-gathers: the unsharded parameter is a view of them,
         # so they live as long as the group and are reclaimed on reshard.
         self._view_outputs: list[Optional[Owned]] = [None] * len(self.buckets)
@@ -103,7 +109,13 @@ class ParamGroup:
         for param in self.params:
             param.fqn = f"{module_fqn}.{param.local_fqn}"
         self.module_name = module_fqn
+        self._name_buckets()
+
+    def _name_buckets(self) -> None:
+        """Labels for messages, and the point-to-point tags derived from them (the same on every rank)."""
         self.labels = [self._label(b.members) for b in self.buckets]
+        self.gather_tags = [exchange_tag(label, "all_gather") for label in self.labels]
+        self.reduce_tags = [exchange_tag(label, "reduce_scatter") for label in self.labels]
 
     def _label(self, members: tuple[int, ...]) -> str:
         names = ", ".join(self.params[i].fqn for i in members[:3])
@@ -137,12 +149,13 @@ class ParamGroup:
         for index, (bucket, plan) in enumerate(zip(self.buckets, self.gather_plans)):
             members = [self.params[i] for i in bucket.members]
             output = self._gather_output(index, device, members)
+            label, tag = self.labels[index], self.gather_tags[index]
             if kept:
                 pending = gather_bucket(
-                    bucket, plan, members, output, self.post_forward_group, self.labels[index], kept=kept[index]
+                    bucket, plan, members, output, self.post_forward_group, label, self.exchange, tag, kept=kept[index]
                 )
             else:
-                pending = gather_bucket(bucket, plan, members, output, self.process_group, self.labels[index])
+                pending = gather_bucket(bucket, plan, members, output, self.process_group, label, self.exchange, tag)
             self._pending_gathers.append(pending)
         self.state = GroupState.UNSHARDING
 
@@ -343,7 +356,7 @@ class ParamGroup:
             )
             reduction = reduce_bucket(
                 bucket, plan, members, grads, reduce_dtype, self.process_group, divide, self.labels[index],
-                all_reduce=self.all_reduce,
+                self.exchange, self.reduce_tags[index], all_reduce=self.all_reduce,
             )
             if self.replicate_group is not None:
                 reduction.combine = functools.partial(self._sum_across_replicas, index)

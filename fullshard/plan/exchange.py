@@ -1,0 +1,85 @@
+"""How a bucket's bytes travel between ranks: the backend's collective, or pairwise sends (pure).
+
+Both exchanges move the theoretical minimum ((N-1)/N of the full buffer sent
+per rank); they differ in who does the work:
+
+* COLLECTIVE: the backend's all-gather / reduce-scatter. Right for NCCL (and
+  any accelerator backend), whose kernels are bandwidth-optimal and run off the
+  compute stream.
+* PAIRWISE: every rank sends each peer the chunk it needs (point-to-point) and
+  sums what it receives itself. On gloo (CPU) this is what pays: measured on 2
+  processes, gloo's reduce-scatter of 28 MB costs ~43 ms of CPU per rank
+  (staging copies on the calling thread plus its own algorithm) against ~15 ms
+  for the same exchange done with sends; the all-gather wall time drops by a
+  fifth. On a CPU the communication threads compete with compute for the same
+  cores, so CPU time saved is step time saved (``docs/performance.md``).
+
+A pairwise reduce-scatter receives every peer's chunk at once, so it needs
+N-2 chunks of scratch per bucket in flight (:func:`reduce_scratch_chunks`);
+above ``MAX_PAIRWISE_RANKS`` ranks that memory is not worth it and gloo's own
+collectives are used.
+
+The runtime asks :func:`choose_exchange` once per group; ``FULLSHARD_EXCHANGE``
+(``collective`` or ``pairwise``) overrides the choice for every group, e.g. to
+compare the two.
+"""
+from __future__ import annotations
+
+import enum
+import zlib
+from typing import Optional
+
+EXCHANGE_ENV = "FULLSHARD_EXCHANGE"
+MAX_PAIRWISE_RANKS = 8
+
+
+class Exchange(enum.Enum):
+    COLLECTIVE = "collective"
+    PAIRWISE = "pairwise"
+
+
+def backend_for_device(backend: str, device_type: str) -> str:
+    """The backend serving ``device_type`` in torch's backend string ("gloo", "cpu:gloo,cuda:nccl")."""
+    if ":" not in backend:
+        return backend
+    for entry in backend.split(","):
+        device, _, name = entry.partition(":")
+        if device.strip() == device_type:
+            return name.strip()
+    return ""
+
+
+def choose_exchange(backend: str, device_type: str, group_size: int, override: Optional[str] = None) -> Exchange:
+    """PAIRWISE for CPU tensors on gloo groups of up to MAX_PAIRWISE_RANKS, else COLLECTIVE; ``override`` wins."""
+    if override:
+        try:
+            return Exchange(override.strip().lower())
+        except ValueError:
+            choices = " or ".join(repr(e.value) for e in Exchange)
+            raise ValueError(f"{EXCHANGE_ENV}={override!r} is not an exchange; set it to {choices}, or unset it") from None
+    if device_type == "cpu" and backend_for_device(backend, device_type) == "gloo" and group_size <= MAX_PAIRWISE_RANKS:
+        return Exchange.PAIRWISE
+    return Exchange.COLLECTIVE
+
+
+def reduce_scratch_chunks(exchange: Exchange, group_size: int) -> int:
+    """Owned receive buffers (each one chunk) a reduce-scatter needs besides its output.
+
+    Pairwise: the first peer's contribution lands in the output itself, each
+    other peer's in a scratch chunk, all received at once and then summed. The
+    backend's collective stages its own buffers, outside fullshard's count.
+    """
+    if exchange is Exchange.PAIRWISE:
+        return max(group_size - 2, 0)
+    return 0
+
+
+def exchange_tag(label: str, kind: str) -> int:
+    """A tag for the point-to-point messages of one bucket's all-gather or reduce-scatter.
+
+    The same on every rank (a stable hash of the bucket's name, not Python's
+    salted ``hash``), and different between buckets and between the two kinds,
+    so messages can only ever match the exchange they belong to, whatever
+    order the ranks issue exchanges in.
+    """
+    return zlib.crc32(f"{kind}:{label}".encode()) & 0x7FFFFFFF

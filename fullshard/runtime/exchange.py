@@ -1,0 +1,105 @@
+"""All-gather and reduce-scatter over a process group, the way ``fullshard.plan.exchange`` chose.
+
+Every function starts the exchange asynchronously and returns a handle whose
+``wait()`` returns once the output is complete. Buffers are plain tensors
+here: the caller passes only storage it may write (the outputs, scratch) and
+keeps every input alive until the wait returns.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from fullshard.plan import Exchange
+
+
+def _all_gather(*args, **kwargs):
+    # torch 2.13 renamed the tensor-in/tensor-out collectives; older releases only have the old
+    # names. Looked up at each call, so wrappers installed later (profilers, benchmarks) see them.
+    return (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(*args, **kwargs)
+
+
+def _reduce_scatter(*args, **kwargs):
+    return (getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor)(*args, **kwargs)
+
+
+class PairwiseWork:
+    """The sends and receives of one pairwise exchange; ``wait()`` also runs its completion (the sum)."""
+
+    def __init__(self, works: list, complete: Optional[Callable[[], None]] = None) -> None:
+        self._works = works
+        self._complete = complete
+
+    def wait(self) -> bool:
+        works, self._works = self._works, []
+        for work in works:
+            work.wait()
+        if self._complete is not None:
+            complete, self._complete = self._complete, None
+            complete()
+        return True
+
+
+def _peers(group: Optional[dist.ProcessGroup]) -> tuple[int, list[tuple[int, int]]]:
+    """This rank's index in ``group`` and (index, global rank) of every other member."""
+    me = dist.get_rank(group)
+    others = [
+        (index, dist.get_global_rank(group, index) if group is not None else index)
+        for index in range(dist.get_world_size(group))
+        if index != me
+    ]
+    return me, others
+
+
+def all_gather(
+    exchange: Exchange, output: torch.Tensor, input: torch.Tensor, group: Optional[dist.ProcessGroup],
+    tag: int, input_in_place: bool = False,
+) -> Any:
+    """``output`` (rank-major) receives every rank's ``input``.
+
+    ``input_in_place``: the caller already wrote ``input`` as this rank's chunk
+    of ``output`` (pairwise only; the plan says so, nothing is inferred here).
+    """
+    if exchange is Exchange.COLLECTIVE:
+        return _all_gather(output, input, group=group, async_op=True)
+    me, peers = _peers(group)
+    slots = output.view(len(peers) + 1, -1)
+    source = input.view(-1)
+    works = [dist.irecv(slots[index], rank, group=group, tag=tag) for index, rank in peers]
+    works += [dist.isend(source, rank, group=group, tag=tag) for _, rank in peers]
+    if not input_in_place:
+        slots[me].copy_(source)  # while the peers' chunks are in flight
+    return PairwiseWork(works)
+
+
+def reduce_scatter(
+    exchange: Exchange, output: torch.Tensor, input: torch.Tensor, group: Optional[dist.ProcessGroup],
+    tag: int, scratch: Sequence[torch.Tensor] = (),
+) -> Any:
+    """``output`` receives the sum over ranks of this rank's chunk of each rank's ``input`` (read only).
+
+    Pairwise: the first peer's contribution is received into ``output``, the
+    others' into ``scratch`` (``plan.reduce_scratch_chunks`` of them), then
+    this rank's own chunk and the scratch are added at the wait.
+    """
+    if exchange is Exchange.COLLECTIVE:
+        return _reduce_scatter(output, input, op=dist.ReduceOp.SUM, group=group, async_op=True)
+    me, peers = _peers(group)
+    chunks = input.view(len(peers) + 1, -1)
+    if not peers:  # a group of one: the sum is this rank's own chunk
+        output.copy_(chunks[me])
+        return PairwiseWork([])
+    targets = [output, *scratch]
+    if len(targets) != len(peers):
+        raise ValueError(f"pairwise reduce-scatter over {len(peers) + 1} ranks needs {len(peers) - 1} scratch chunks")
+    works = [dist.irecv(target, rank, group=group, tag=tag) for target, (_, rank) in zip(targets, peers)]
+    works += [dist.isend(chunks[index], rank, group=group, tag=tag) for index, rank in peers]
+
+    def add_own_and_scratch() -> None:
+        output.add_(chunks[me])
+        for extra in scratch:
+            output.add_(extra)
+
+    return PairwiseWork(works, add_own_and_scratch)
