@@ -265,7 +265,11 @@ def no_sync_and_reshard_after_backward_controls():
 
 
 def implicit_prefetch_in_forward_and_backward():
-    """From the second step on, the next unit's all-gather is issued before the current unit computes."""
+    """From the second step on, the next unit's all-gather is issued before the current unit computes.
+
+    Backward starts in the root (the head, after the last block in forward),
+    so the root prefetches the last block, not the first.
+    """
     from fullshard.runtime.group import GroupState
 
     mesh = mesh_1d()
@@ -282,13 +286,21 @@ def implicit_prefetch_in_forward_and_backward():
     def hook_attention_output(module, inputs, output):  # its gradient arrives inside layers[1]'s backward
         output.register_hook(during_backward)
 
+    def during_head_backward(grad):
+        seen["head_backward"] = layers[-1]._fullshard_state.group.state
+
+    def hook_final_norm_output(module, inputs, output):  # its gradient arrives between the head and the last block
+        output.register_hook(during_head_backward)
+
     tokens = torch.randint(0, 64, (2, 16))
     model(tokens).sum().backward()  # the first step records the order
     layers[0].register_forward_pre_hook(during_forward)
     layers[1].attn.register_forward_hook(hook_attention_output)
+    model.ln_f.register_forward_hook(hook_final_norm_output)
     model(tokens).sum().backward()
     assert seen["forward"] is not GroupState.SHARDED, seen
     assert seen["backward"] is not GroupState.SHARDED, seen
+    assert seen["head_backward"] is not GroupState.SHARDED, seen
     return {k: v.value for k, v in seen.items()}
 
 

@@ -64,7 +64,11 @@ class ShardState:
         # neighbour in the order the root recorded during its first forward.
         self.forward_prefetch: list[ShardState] = []
         self.backward_prefetch: list[ShardState] = []
-        self._forward_order: list[ShardState] = []  # root only
+        # Root only: units in the order their forward began, and in the order it ended.
+        # Backward runs in the reverse of the second: the root's head, whose
+        # forward ends last, first; then the last block, and so on.
+        self._forward_order: list[ShardState] = []
+        self._post_forward_order: list[ShardState] = []
         self._order_recorded = False  # root only
         self._forward_done: set[int] = set()
         self._final_callback_queued = False
@@ -175,14 +179,15 @@ class ShardState:
                 if state.group is not None:
                     state.group.refresh_sharded()
         if self.group is not None:
-            self.group.unshard()
-            self.group.wait_for_unshard()
-            self.group.register_unsharded()
             root = self.root or self
             if not root._order_recorded and self not in root._forward_order:
                 root._forward_order.append(self)
+            self.group.unshard()
             if not _in_backward():
+                # issued before waiting for this unit's own: both transfers in flight at once
                 self._prefetch(self.forward_prefetch or self._neighbour(+1))
+            self.group.wait_for_unshard()
+            self.group.register_unsharded()
         dtype = self.mp_policy.param_dtype
         if dtype is not None and self.mp_policy.cast_forward_inputs:
             args, kwargs = _cast_floats((args, kwargs), dtype)
@@ -195,6 +200,9 @@ class ShardState:
             all_ran = len(self._forward_done) == len(self.modules)
             if all_ran:
                 self._forward_done.clear()
+                root = self.root or self
+                if not root._order_recorded and not _in_backward() and self not in root._post_forward_order:
+                    root._post_forward_order.append(self)
                 if self.reshard_after_forward and not _in_backward():
                     self.group.reshard_after_forward()
             if torch.is_grad_enabled():
@@ -242,16 +250,17 @@ class ShardState:
         self._queue_final_callback()
         group = self.group
         group.unshard()
-        group.wait_for_unshard()
         self._prefetch(self.backward_prefetch or self._neighbour(-1))
+        group.wait_for_unshard()
 
     def _neighbour(self, offset: int) -> list["ShardState"]:
-        """The unit that runs next in forward (+1) or in backward (-1), from the recorded forward order."""
+        """The unit that runs next in forward (+1) or in backward (-1), from the order recorded in forward."""
         root = self.root or self
-        if not root._order_recorded or self not in root._forward_order:
+        order = root._forward_order if offset > 0 else root._post_forward_order
+        if not root._order_recorded or self not in order:
             return []
-        index = root._forward_order.index(self) + offset
-        return [root._forward_order[index]] if 0 <= index < len(root._forward_order) else []
+        index = order.index(self) + offset
+        return [order[index]] if 0 <= index < len(order) else []
 
     @staticmethod
     def _prefetch(states: list["ShardState"]) -> None:
