@@ -92,7 +92,9 @@ def memory_report(model: nn.Module, optimizer: Optional[torch.optim.Optimizer] =
             ),
             "traffic": traffic_bytes_per_step(
                 strategy, world, num_params, root_params, compute_bytes,
-                torch.empty((), dtype=states[0].group.reduce_dtype(sample)).element_size(),
+                # what gradients travel in: the reduce dtype, or narrower on the pairwise exchange
+                torch.empty((), dtype=states[0].group.gradient_wire_dtype(
+                    {sample.compute_dtype}, states[0].group.reduce_dtype(sample))).element_size(),
             ),
         }
     return report

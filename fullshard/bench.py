@@ -55,6 +55,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from fullshard.models.gpt import GPT, GPTConfig
+from fullshard.plan.exchange import gradient_wire_bytes
 from fullshard.plan.strategy import Strategy, bytes_sent_per_rank, traffic_bytes_per_step
 
 MODELS = {
@@ -706,10 +707,18 @@ def model_counts(cfg: GPTConfig) -> tuple[int, int]:
     return total, total - sum(p.numel() for block in model.layers for p in block.parameters())
 
 
-def theory_bytes(contender: Contender, precision: str, world: int, counts: tuple[int, int]) -> dict[str, float]:
+def theory_bytes(contender: Contender, precision: str, run: Run, counts: tuple[int, int]) -> dict[str, float]:
     num_params, root_params = counts
-    gather = 2 if precision == "bf16" and contender.library != "ddp" else 4
-    return traffic_bytes_per_step(contender.theory, world, num_params, root_params=root_params, gather_bytes=gather, reduce_bytes=4)
+    bf16 = precision == "bf16" and contender.library != "ddp"
+    gather = 2 if bf16 else 4
+    reduce = 4
+    if contender.library == "fullshard":
+        # on gloo fullshard sends bf16 gradients and sums them in fp32 (plan.exchange.wire_dtype)
+        grads = "bfloat16" if bf16 else "float32"
+        reduce = gradient_wire_bytes(dist.get_backend(), run.device.type, run.world, grads, "float32")
+    return traffic_bytes_per_step(
+        contender.theory, run.world, num_params, root_params=root_params, gather_bytes=gather, reduce_bytes=reduce
+    )
 
 
 def _summarize_contender(contender: Contender, config: Configuration, ranks: list[dict], run: Run, counts) -> dict:
@@ -718,7 +727,7 @@ def _summarize_contender(contender: Contender, config: Configuration, ranks: lis
     round_times = [max(times) for times in zip(*(t["times"] for t in timings))]
     steps = timings[0]["bytes"]
     moved = {kind: steps[0].get(kind, 0) for kind in (*KINDS, POINT_TO_POINT)}
-    theory = theory_bytes(contender, config.precision, run.world, counts)
+    theory = theory_bytes(contender, config.precision, run, counts)
     entry = {
         "library": contender.library,
         "setup": contender.setup,

@@ -73,6 +73,7 @@ def _parser() -> argparse.ArgumentParser:
     estimate.add_argument("--strategy", default="optim_grads_params")
     estimate.add_argument("--mixed-precision", default="fp32")
     estimate.add_argument("--optimizer", default="adamw", help="adamw | sgd")
+    estimate.add_argument("--device", default="cpu", help="cpu (gloo) | cuda (NCCL): how gradients travel")
     estimate.add_argument("--largest-unit", type=float, help="parameters of the largest wrapped unit")
     return parser
 
@@ -192,9 +193,12 @@ def train(args) -> int:
 
 
 def estimate(args) -> int:
+    from fullshard.plan.exchange import gradient_wire_bytes
     from fullshard.plan.strategy import peak_state_bytes, traffic_bytes_per_step
 
     _check_common(args)
+    if args.device not in ("cpu", "cuda"):
+        raise UsageError(f"unknown --device {args.device!r}; choose cpu or cuda")
     if args.optimizer not in ("adamw", "sgd"):
         raise UsageError(f"unknown --optimizer {args.optimizer!r}; choose adamw or sgd")
     if args.params:
@@ -207,7 +211,10 @@ def estimate(args) -> int:
     compute = 2 if args.mixed_precision == "bf16" else 4
     optim = 8 if args.optimizer == "adamw" else 0
     memory = peak_state_bytes(strategy, args.nproc, num_params, largest, 4, 4, optim, compute_bytes=compute)
-    traffic = traffic_bytes_per_step(strategy, args.nproc, num_params, gather_bytes=compute, reduce_bytes=4)
+    backend = "nccl" if args.device == "cuda" else "gloo"
+    grads = "bfloat16" if args.mixed_precision == "bf16" else "float32"
+    reduce = gradient_wire_bytes(backend, args.device, args.nproc, grads, "float32")
+    traffic = traffic_bytes_per_step(strategy, args.nproc, num_params, gather_bytes=compute, reduce_bytes=reduce)
     print(f"{num_params / 1e9:.3f}B parameters, {args.nproc} ranks, {strategy.value}, {args.mixed_precision}, {args.optimizer}")
     print("per rank:")
     for key in ("params", "grads", "optim", "unsharded", "total"):

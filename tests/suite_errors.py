@@ -129,11 +129,30 @@ def ranks_with_different_models_fail_at_first_step():
     return str(info.value)
 
 
+def ranks_with_different_exchanges_fail_at_first_step():
+    """FULLSHARD_EXCHANGE set on one rank only: a clear error on every rank, not a hang."""
+    import os
+
+    from fullshard.plan.exchange import EXCHANGE_ENV
+
+    if dist.get_rank() == 1:
+        os.environ[EXCHANGE_ENV] = "collective"
+    try:
+        model = shard_blocks_then_root(GPT(GPTConfig(vocab_size=64, seq_len=16, d_model=32, n_layers=2, n_heads=4)),
+                                       mesh=mesh_1d())
+    finally:
+        os.environ.pop(EXCHANGE_ENV, None)
+    with pytest.raises(RuntimeError, match="exchange of module .*FULLSHARD_EXCHANGE alike") as info:
+        model(torch.randint(0, 64, (2, 16)))
+    return str(info.value)
+
+
 def suite():
     return {fn.__name__: fn for fn in [
         twice_on_one_module, child_after_parent, module_without_parameters_is_allowed, mesh_of_wrong_dimension,
         bad_shard_placement_fn, bad_policies, ignored_params_not_in_module, ignored_params_stay_local,
         frozen_mixed_with_trainable_works, ranks_with_different_models_fail_at_first_step,
+        ranks_with_different_exchanges_fail_at_first_step,
     ] + SUITE_EXTRA}
 
 

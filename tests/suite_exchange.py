@@ -191,4 +191,56 @@ def suite():
         pairwise_equals_backend_collectives, all_gather_in_place_sends_this_ranks_row,
         exchanges_issued_in_different_orders_match_by_tag, gloo_models_exchange_pairwise_and_pack_in_place,
         collective_exchange_parity,
-    ]}
+    ] + EXTRA}
+
+
+def narrow_gradients_are_summed_widened():
+    """bf16 chunks travel as bf16 and are summed in fp32: equal to casting first, input untouched."""
+    checked = 0
+    for group in _groups():
+        n = dist.get_world_size(group)
+        for chunk in (3, 200_003):  # the second spans several widening blocks
+            full = torch.randn(n * chunk, generator=torch.Generator().manual_seed(dist.get_rank() + chunk)).bfloat16()
+            snapshot = full.clone()
+            expected = torch.empty(chunk)
+            dist.reduce_scatter_tensor(expected, full.float(), group=group)  # cast first, then sum in fp32
+            reduced = torch.full((chunk,), float("nan"))
+            scratch = [torch.empty(chunk, dtype=torch.bfloat16) for _ in range(reduce_scratch_chunks(Exchange.PAIRWISE, n))]
+            exchange.reduce_scatter(Exchange.PAIRWISE, reduced, full, group, 14, scratch).wait()
+            assert torch.equal(full, snapshot), "the bf16 input was written"
+            if n == 2:  # two terms: the same sum whatever the order, bit for bit
+                assert torch.equal(reduced, expected), chunk
+            else:
+                torch.testing.assert_close(reduced, expected, rtol=1e-6, atol=1e-6)
+            checked += 1
+    return checked
+
+
+def bf16_model_sends_bf16_gradients():
+    """bf16 compute with fp32 reduction: every byte sent is bf16 (half the fp32 payload), the step still matches."""
+    from fullshard.accounting import reset_traffic, traffic_bytes
+
+    mesh = mesh_1d()
+    bf16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    model = shard_blocks_then_root(build_gpt(), mesh=mesh, mp_policy=bf16)
+    sent_dtypes, original = set(), dist.isend
+
+    def recording(tensor, *args, **kwargs):
+        sent_dtypes.add(tensor.dtype)
+        return original(tensor, *args, **kwargs)
+
+    world = dist.get_world_size()
+    reset_traffic()
+    dist.isend = recording
+    try:
+        gpt_loss(model, tuple(t.chunk(world)[dist.get_rank()] for t in gpt_batch(0, 2 * world))).backward()
+    finally:
+        dist.isend = original
+    num_params = sum(p.numel() for p in model.parameters())
+    assert sent_dtypes == {torch.bfloat16}, sent_dtypes
+    assert traffic_bytes()["reduce_scatter"] == 2 * num_params, (traffic_bytes(), num_params)
+    assert all(p.grad.dtype == torch.float32 for p in model.parameters())
+    return sorted(str(d) for d in sent_dtypes)
+
+
+EXTRA = [narrow_gradients_are_summed_widened, bf16_model_sends_bf16_gradients]

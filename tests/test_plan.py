@@ -25,8 +25,9 @@ from fullshard.plan import (
     plan_reduce,
     reduce_scratch_chunks,
     stores_padded_chunk,
+    wire_dtype,
 )
-from fullshard.plan.exchange import MAX_PAIRWISE_RANKS, backend_for_device
+from fullshard.plan.exchange import DTYPE_BYTES, MAX_PAIRWISE_RANKS, backend_for_device, gradient_wire_bytes
 from fullshard.plan.strategy import Strategy, bytes_sent_per_rank, traffic_bytes_per_step
 
 shapes = st.lists(st.integers(0, 9), min_size=1, max_size=4).map(tuple)
@@ -280,3 +281,34 @@ def test_bytes_sent_are_the_bandwidth_optimal_share(world):
     assert bytes_sent_per_rank(zero3, world) == pytest.approx(share * (1900 + 1000) * 4)
     ddp = traffic_bytes_per_step(Strategy.NO_SHARD, world, 1000)
     assert bytes_sent_per_rank(ddp, world) == pytest.approx(2 * share * 4000)
+
+
+@pytest.mark.parametrize("exchange, grad, reduce, wire", [
+    (Exchange.PAIRWISE, "bfloat16", "float32", "bfloat16"),  # widened exactly by the receiver: half the bytes
+    (Exchange.PAIRWISE, "float16", "float32", "float16"),
+    (Exchange.PAIRWISE, "float32", "float32", "float32"),
+    (Exchange.PAIRWISE, "float32", "bfloat16", "bfloat16"),  # a narrower reduce dtype: cast before sending
+    (Exchange.PAIRWISE, "bfloat16", "float16", "float16"),  # neither holds the other: the reduce dtype
+    (Exchange.COLLECTIVE, "bfloat16", "float32", "float32"),  # a ring's partial sums need the reduce dtype
+])
+def test_gradients_travel_narrow_only_where_widening_is_exact(exchange, grad, reduce, wire):
+    assert wire_dtype(exchange, grad, reduce) == wire
+
+
+def test_widening_is_exact_for_every_pair_the_plan_allows():
+    """The plan's table, checked with torch: every bf16/fp16 value survives the round trip through fp32."""
+    from fullshard.plan.exchange import _CONVERTS_EXACTLY_INTO
+
+    for narrow, wides in _CONVERTS_EXACTLY_INTO.items():
+        values = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16).view(getattr(torch, narrow)) \
+            if narrow != "float32" else torch.randn(100_000)
+        finite = values[torch.isfinite(values)]
+        for wide in wides:
+            assert torch.equal(finite.to(getattr(torch, wide)).to(finite.dtype), finite), (narrow, wide)
+            assert DTYPE_BYTES[wide] >= 2 * DTYPE_BYTES[narrow]  # the receive fits in the output's upper half
+
+
+def test_gradient_wire_bytes_follow_the_backend():
+    assert gradient_wire_bytes("gloo", "cpu", 2, "bfloat16", "float32") == 2
+    assert gradient_wire_bytes("nccl", "cuda", 2, "bfloat16", "float32") == 4
+    assert gradient_wire_bytes("gloo", "cpu", 16, "bfloat16", "float32") == 4  # gloo's ring above 8 ranks

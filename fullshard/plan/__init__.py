@@ -1,5 +1,5 @@
 """Framework-free planning: layouts, buckets and buffer ownership (no torch import)."""
-from fullshard.plan.exchange import Exchange, choose_exchange, exchange_tag, reduce_scratch_chunks
+from fullshard.plan.exchange import Exchange, choose_exchange, exchange_tag, reduce_scratch_chunks, wire_dtype
 from fullshard.plan.layout import BucketLayout, ShardLayout, ceil_div, plan_buckets
 from fullshard.plan.ownership import (
     GatherPlan,
@@ -29,4 +29,5 @@ __all__ = [
     "plan_reduce",
     "reduce_scratch_chunks",
     "stores_padded_chunk",
+    "wire_dtype",
 ]

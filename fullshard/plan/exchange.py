@@ -19,6 +19,12 @@ N-2 chunks of scratch per bucket in flight (:func:`reduce_scratch_chunks`);
 above ``MAX_PAIRWISE_RANKS`` ranks that memory is not worth it and gloo's own
 collectives are used.
 
+Gradients travel in their own dtype when it is narrower than the reduce
+dtype and converts to it exactly (bf16 into fp32): pairwise, no partial sums
+ever travel, only each rank's own gradients, which the receiver sums in the
+reduce dtype. The sum is the same as casting first; the bytes are half
+(:func:`wire_dtype`). A ring's partial sums need the reduce dtype on the wire.
+
 The runtime asks :func:`choose_exchange` once per group; ``FULLSHARD_EXCHANGE``
 (``collective`` or ``pairwise``) overrides the choice for every group, e.g. to
 compare the two.
@@ -62,12 +68,42 @@ def choose_exchange(backend: str, device_type: str, group_size: int, override: O
     return Exchange.COLLECTIVE
 
 
-def reduce_scratch_chunks(exchange: Exchange, group_size: int) -> int:
-    """Owned receive buffers (each one chunk) a reduce-scatter needs besides its output.
+# Every value of the key dtype is exactly a value of each listed dtype, which is at least twice as wide.
+_CONVERTS_EXACTLY_INTO = {
+    "bfloat16": ("float32", "float64"),
+    "float16": ("float32", "float64"),
+    "float32": ("float64",),
+}
 
-    Pairwise: the first peer's contribution lands in the output itself, each
-    other peer's in a scratch chunk, all received at once and then summed. The
-    backend's collective stages its own buffers, outside fullshard's count.
+
+def wire_dtype(exchange: Exchange, grad_dtype: str, reduce_dtype: str) -> str:
+    """The dtype gradients travel in for a reduce-scatter summed in ``reduce_dtype`` (dtype names, "bfloat16").
+
+    Pairwise: the gradient's own dtype when it converts exactly into the reduce
+    dtype (the receiver widens and sums); otherwise, and for the backend's
+    collective, the reduce dtype (cast before sending).
+    """
+    if exchange is Exchange.PAIRWISE and reduce_dtype in _CONVERTS_EXACTLY_INTO.get(grad_dtype, ()):
+        return grad_dtype
+    return reduce_dtype
+
+
+DTYPE_BYTES = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2}
+
+
+def gradient_wire_bytes(backend: str, device_type: str, group_size: int, grad_dtype: str, reduce_dtype: str) -> int:
+    """Bytes per gradient element sent by a reduce-scatter on this backend and device (for the traffic formulas)."""
+    exchange = choose_exchange(backend, device_type, group_size)
+    return DTYPE_BYTES[wire_dtype(exchange, grad_dtype, reduce_dtype)]
+
+
+def reduce_scratch_chunks(exchange: Exchange, group_size: int) -> int:
+    """Owned receive buffers (each one chunk, in the wire dtype) a reduce-scatter needs besides its output.
+
+    Pairwise: the first peer's contribution lands in the output itself (in its
+    upper half when it travels in a dtype half as wide), each other peer's in a
+    scratch chunk, all received at once and then summed. The backend's
+    collective stages its own buffers, outside fullshard's count.
     """
     if exchange is Exchange.PAIRWISE:
         return max(group_size - 2, 0)

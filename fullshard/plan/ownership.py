@@ -111,7 +111,7 @@ def plan_gather(
 def plan_reduce(
     bucket: BucketLayout,
     layouts: tuple[ShardLayout, ...],
-    grad_dtype_is_reduce_dtype: bool,
+    grad_dtype_is_wire_dtype: bool,
     grads_contiguous: bool,
     reduce_dtype_is_param_dtype: bool,
     all_reduce: bool = False,
@@ -121,7 +121,9 @@ def plan_reduce(
 
     The caller's gradient is reused as the collective's input (zero copy) only
     when it already is, byte for byte, the input the collective needs: one
-    parameter, prefix layout, no padding, the reduce dtype, contiguous. In that
+    parameter, prefix layout, no padding, the dtype it travels in (the reduce
+    dtype, or its own with the pairwise exchange; ``plan.exchange.wire_dtype``),
+    contiguous. In that
     case it is BORROWED: fullshard never resizes it nor writes into it, and
     releases it by dropping the reference. Otherwise fullshard allocates the
     input and copies (casting, padding) into it.
@@ -148,7 +150,7 @@ def plan_reduce(
         lone
         and layout.gather_is_prefix
         and not layout.needs_padding
-        and grad_dtype_is_reduce_dtype
+        and grad_dtype_is_wire_dtype
         and grads_contiguous
     )
     view_grad = (

@@ -27,6 +27,7 @@ from fullshard.runtime.param import ShardedParam
 # all-reduce buffer). Read and reset through fullshard.accounting.
 traffic: Counter = Counter()
 
+
 class CollectiveError(RuntimeError):
     """A collective failed or timed out (e.g. a peer died); names what it was doing and for whom."""
 
@@ -227,6 +228,7 @@ def reduce_bucket(
     params: Sequence[ShardedParam],
     grads: Sequence[Optional[torch.Tensor]],
     reduce_dtype: torch.dtype,
+    wire_dtype: torch.dtype,
     group: dist.ProcessGroup,
     divide_factor: float,
     label: str,
@@ -238,7 +240,10 @@ def reduce_bucket(
 
     ``grads`` were taken from autograd; on the BORROWED path the lone gradient
     itself is the collective's input and is only ever read (sent, summed),
-    never freed or written; otherwise an owned input is packed (cast, padded, fused).
+    never freed or written; otherwise an owned input is packed (cast, padded,
+    fused). The input is in ``wire_dtype``, the output in ``reduce_dtype``
+    (they differ only for the pairwise exchange of gradients narrower than
+    the reduce dtype, summed after widening).
     With ``all_reduce`` (replicated parameters) the packed, owned buffer is
     all-reduced in place and becomes the output.
     """
@@ -247,7 +252,7 @@ def reduce_bucket(
         if plan.input is Ownership.BORROWED:
             source: Owned | Borrowed = buffers.borrow(grads[0].view(-1), f"gradient of {label}")
         else:
-            source = buffers.allocate(bucket.total_numel, reduce_dtype, device, f"reduce-scatter input of {label}")
+            source = buffers.allocate(bucket.total_numel, wire_dtype, device, f"reduce-scatter input of {label}")
             pack_rank_chunks(source.writable("pack the reduce-scatter input"), bucket, params, grads)
         present = [g is not None for g in grads]
         if all_reduce:
@@ -256,7 +261,7 @@ def reduce_bucket(
             return PendingReduce(work, [], source, bucket, plan, list(params), present, divide_factor, label)
         output = buffers.allocate(bucket.chunk_numel, reduce_dtype, device, f"reduce-scatter output of {label}")
         scratch = [
-            buffers.allocate(bucket.chunk_numel, reduce_dtype, device, f"reduce-scatter receive buffer of {label}")
+            buffers.allocate(bucket.chunk_numel, wire_dtype, device, f"reduce-scatter receive buffer of {label}")
             for _ in range(reduce_scratch_chunks(exchange, dist.get_world_size(group)))
         ]
         work = transport.reduce_scatter(

@@ -80,9 +80,11 @@ def reduce_scatter(
 ) -> Any:
     """``output`` receives the sum over ranks of this rank's chunk of each rank's ``input`` (read only).
 
-    Pairwise: the first peer's contribution is received into ``output``, the
-    others' into ``scratch`` (``plan.reduce_scratch_chunks`` of them), then
-    this rank's own chunk and the scratch are added at the wait.
+    Pairwise: the first peer's contribution is received into ``output`` (its
+    last bytes, when the input travels in a narrower dtype than the output
+    sums in), the others' into ``scratch`` (``plan.reduce_scratch_chunks`` of
+    them, in the input's dtype); this rank's own chunk and the rest are added
+    at the wait, in the output's dtype.
     """
     if exchange is Exchange.COLLECTIVE:
         return _reduce_scatter(output, input, op=dist.ReduceOp.SUM, group=group, async_op=True)
@@ -91,15 +93,39 @@ def reduce_scatter(
     if not peers:  # a group of one: the sum is this rank's own chunk
         output.copy_(chunks[me])
         return PairwiseWork([])
-    targets = [output, *scratch]
+    widen = output.dtype != input.dtype
+    first = output.view(input.dtype)[-output.numel():] if widen else output
+    targets = [first, *scratch]
     if len(targets) != len(peers):
         raise ValueError(f"pairwise reduce-scatter over {len(peers) + 1} ranks needs {len(peers) - 1} scratch chunks")
     works = [dist.irecv(target, rank, group=group, tag=tag) for target, (_, rank) in zip(targets, peers)]
     works += [dist.isend(chunks[index], rank, group=group, tag=tag) for index, rank in peers]
 
     def add_own_and_scratch() -> None:
-        output.add_(chunks[me])
+        if widen:
+            _widen_and_add(output, first, chunks[me])
+        else:
+            output.add_(chunks[me])
         for extra in scratch:
             output.add_(extra)
 
     return PairwiseWork(works, add_own_and_scratch)
+
+
+# Elements widened per step by _widen_and_add (a 256 KiB fp32 temporary).
+_WIDEN_BLOCK = 1 << 16
+
+
+def _widen_and_add(output: torch.Tensor, received: torch.Tensor, own: torch.Tensor) -> None:
+    """``output = received + own`` in the output's dtype, where ``received`` (narrower) lives in output's last bytes.
+
+    Blocks go front to back, and each block of ``received`` is copied out
+    before that block of the output is written. Writing output[:end] touches
+    its first end*R bytes (R, W: the output's and the received dtype's sizes,
+    R > W), while received[end:] starts at byte C*R - (C-end)*W >= end*R:
+    nothing still to be read is ever overwritten.
+    """
+    for start in range(0, output.numel(), _WIDEN_BLOCK):
+        end = min(output.numel(), start + _WIDEN_BLOCK)
+        peer = received[start:end].to(output.dtype)  # a copy, taken before output[start:end] is written
+        torch.add(peer, own[start:end], out=output[start:end])

@@ -18,7 +18,9 @@ import torch.nn as nn
 
 from fullshard import buffers
 from fullshard.buffers import Owned
-from fullshard.plan import Unsharded, choose_exchange, exchange_tag, plan_buckets, plan_gather, plan_reduce
+from fullshard.plan import (
+    Unsharded, choose_exchange, exchange_tag, plan_buckets, plan_gather, plan_reduce, wire_dtype,
+)
 from fullshard.plan.exchange import EXCHANGE_ENV
 from fullshard.runtime.collectives import (
     PendingGather,
@@ -34,6 +36,11 @@ from fullshard.runtime.param import ShardedParam
 # Parameters whose per-rank chunk has fewer elements than this share one
 # collective (fusion); larger ones are gathered straight into their own storage.
 DEFAULT_FUSE_BELOW_NUMEL = 1 << 16
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    """torch.bfloat16 -> "bfloat16": how the planning code names dtypes."""
+    return str(dtype).removeprefix("torch.")
 
 
 class GroupState(enum.Enum):
@@ -345,23 +352,31 @@ class ParamGroup:
                 continue
             present = [g for g in grads if g is not None]
             reduce_dtype = self.reduce_dtype(members[0])
+            wire = self.gradient_wire_dtype({g.dtype for g in present}, reduce_dtype)
             plan = plan_reduce(
                 bucket,
                 layouts,
-                grad_dtype_is_reduce_dtype=all(g.dtype == reduce_dtype for g in present),
+                grad_dtype_is_wire_dtype=all(g.dtype == wire for g in present),
                 grads_contiguous=all(g.is_contiguous() for g in present),
                 reduce_dtype_is_param_dtype=reduce_dtype == members[0].stored_dtype,
                 all_reduce=self.all_reduce,
                 offloaded=members[0].offloaded,
             )
             reduction = reduce_bucket(
-                bucket, plan, members, grads, reduce_dtype, self.process_group, divide, self.labels[index],
+                bucket, plan, members, grads, reduce_dtype, wire, self.process_group, divide, self.labels[index],
                 self.exchange, self.reduce_tags[index], all_reduce=self.all_reduce,
             )
             if self.replicate_group is not None:
                 reduction.combine = functools.partial(self._sum_across_replicas, index)
             pending.append(reduction)
         return pending
+
+    def gradient_wire_dtype(self, grad_dtypes: set[torch.dtype], reduce_dtype: torch.dtype) -> torch.dtype:
+        """The dtype the bucket's gradients travel in (``plan.exchange.wire_dtype``); all-reduce: the reduce dtype."""
+        if self.all_reduce or len(grad_dtypes) != 1:
+            return reduce_dtype
+        name = wire_dtype(self.exchange, _dtype_name(next(iter(grad_dtypes))), _dtype_name(reduce_dtype))
+        return getattr(torch, name)
 
     def _sum_across_replicas(self, index: int, output: Owned) -> bool:
         """HSDP: add any partial sum, then all-reduce across replicas or keep it for later."""

@@ -135,6 +135,8 @@ class ShardState:
             (p.fqn, p.layout.shape, p.layout.dim, str(p.stored_dtype), str(p.compute_dtype), p.requires_grad)
             for group in groups for p in group.params
         ]
+        # Ranks that move bytes differently (FULLSHARD_EXCHANGE set on some only) would wait on each other forever.
+        layout += [(f"exchange of module '{group.module_name}'", group.exchange.value) for group in groups]
         process_group = groups[0].process_group
         everyone: list = [None] * dist.get_world_size(process_group)
         dist.all_gather_object(everyone, layout, group=process_group)
@@ -144,7 +146,7 @@ class ShardState:
                 raise RuntimeError(
                     f"fully_shard: rank {dist.get_rank()} and group rank {rank} wrapped different models "
                     f"(first difference: {mine} here vs {theirs} there); every rank must build the same "
-                    "model and apply fully_shard the same way"
+                    "model, apply fully_shard the same way and set FULLSHARD_EXCHANGE alike (or nowhere)"
                 )
 
     def _build_subtree(self) -> None:

@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 from typing import Optional
 
+from fullshard.plan.exchange import gradient_wire_bytes
 from fullshard.plan.strategy import Strategy, peak_state_bytes, traffic_bytes_per_step
 
 
@@ -21,8 +22,12 @@ def theoretical(cfg, world: int, units: dict[str, int]) -> dict:
     memory = peak_state_bytes(
         strategy, world, num_params, max(largest_unit, root_params), compute_bytes=compute_bytes
     )
+    # bf16 gradients, unless micro-batches were accumulated without sync (in fp32, the reduce dtype)
+    grads = "bfloat16" if cfg.mixed_precision == "bf16" and cfg.grad_accum == 1 else "float32"
+    backend = "nccl" if cfg.device == "cuda" else "gloo"  # as the worker initializes it
+    reduce_bytes = gradient_wire_bytes(backend, cfg.device, world, grads, "float32")
     traffic = traffic_bytes_per_step(
-        strategy, world, num_params, root_params=root_params, gather_bytes=compute_bytes, reduce_bytes=4
+        strategy, world, num_params, root_params=root_params, gather_bytes=compute_bytes, reduce_bytes=reduce_bytes
     )
     if cfg.grad_accum > 1 and strategy is Strategy.OPTIM_GRADS_PARAMS:
         # every micro-batch gathers again; the reduction happens once (no_sync before the last)
