@@ -22,7 +22,7 @@ from fullshard.plan import Exchange, reduce_scratch_chunks
 from fullshard.runtime import exchange
 
 
-def _other_threads_cpu_s() -> float:
+def other_threads_cpu_s() -> float:
     """CPU seconds of every thread of this process but the calling one (Linux /proc)."""
     me, ticks = threading.get_native_id(), 0
     for task in os.listdir("/proc/self/task"):
@@ -39,13 +39,13 @@ def _other_threads_cpu_s() -> float:
 def _measure(name: str, run, repetitions: int) -> None:
     run()
     dist.barrier()
-    wall, mine, others = time.perf_counter(), time.thread_time(), _other_threads_cpu_s()
+    wall, mine, others = time.perf_counter(), time.thread_time(), other_threads_cpu_s()
     for _ in range(repetitions):
         run()
     dist.barrier()
     wall = (time.perf_counter() - wall) / repetitions * 1e3
     mine = (time.thread_time() - mine) / repetitions * 1e3
-    others = (_other_threads_cpu_s() - others) / repetitions * 1e3
+    others = (other_threads_cpu_s() - others) / repetitions * 1e3
     if dist.get_rank() == 0:
         print(f"| {name} | {wall:.1f} | {mine:.1f} | {others:.1f} | {mine + others:.1f} |", flush=True)
 
