@@ -45,11 +45,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("config", nargs="?", default="zero3-fp32", choices=[c.name for c in bench.configurations()])
     parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--model", default="default", choices=list(bench.MODELS))
     args = parser.parse_args()
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     run = bench.Run(
-        bench.MODELS["default"], torch.device("cpu"), init_device_mesh("cpu", (dist.get_world_size(),)),
+        bench.MODELS[args.model], torch.device("cpu"), init_device_mesh("cpu", (dist.get_world_size(),)),
         dist.get_rank(), dist.get_world_size(), 4, 0, bench.CollectiveMeter(),
     )
     config = next(c for c in bench.configurations() if c.name == args.config)

@@ -101,3 +101,17 @@ def test_table_is_printed_and_written(bench):
     _, markdown, stdout = bench
     assert "## Step time" in markdown and "## Memory per rank" in markdown and "## Bytes moved" in markdown
     assert markdown.strip() in stdout
+
+
+@pytest.mark.parametrize("script, args, expect", [
+    ("exchange_cost.py", ["--mib", "0.5", "--repetitions", "2"], "reduce-scatter: pairwise sends (fullshard)"),
+    ("phases.py", ["zero2-fp32", "--model", "tiny", "--steps", "1"], "rank 1 fullshard:optim_grads"),
+])
+def test_diagnostic_scripts_run(script, args, expect):
+    torchrun = Path(sys.executable).with_name("torchrun")
+    proc = subprocess.run(
+        [str(torchrun), "--standalone", "--nproc_per_node", "2", str(ROOT / "benchmarks" / script), *args],
+        cwd=ROOT, capture_output=True, text=True, timeout=180,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert expect in proc.stdout, proc.stdout
