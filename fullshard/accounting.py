@@ -94,7 +94,7 @@ def memory_report(model: nn.Module, optimizer: Optional[torch.optim.Optimizer] =
                 strategy, world, num_params, root_params, compute_bytes,
                 # what gradients travel in: the reduce dtype, or narrower on the pairwise exchange
                 torch.empty((), dtype=states[0].group.gradient_wire_dtype(
-                    {sample.compute_dtype}, states[0].group.reduce_dtype(sample))).element_size(),
+                    sample.compute_dtype, states[0].group.reduce_dtype(sample))).element_size(),
             ),
         }
     return report

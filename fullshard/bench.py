@@ -55,7 +55,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from fullshard.models.gpt import GPT, GPTConfig
-from fullshard.plan.exchange import gradient_wire_bytes
+from fullshard.plan.exchange import DEFAULT_BACKENDS, EXCHANGE_ENV, gradient_wire_bytes
 from fullshard.plan.strategy import Strategy, bytes_sent_per_rank, traffic_bytes_per_step
 
 MODELS = {
@@ -661,7 +661,7 @@ def _init(local_rank: int, options: dict, meter: CollectiveMeter) -> Run:
     if cuda:
         torch.cuda.set_device(local_rank)
     dist.init_process_group(
-        "nccl" if cuda else "gloo", rank=local_rank, world_size=options["nproc"],
+        DEFAULT_BACKENDS[options["device"]], rank=local_rank, world_size=options["nproc"],
         timeout=datetime.timedelta(seconds=options["timeout"]),
     )
     device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
@@ -715,7 +715,10 @@ def theory_bytes(contender: Contender, precision: str, run: Run, counts: tuple[i
     if contender.library == "fullshard":
         # on gloo fullshard sends bf16 gradients and sums them in fp32 (plan.exchange.wire_dtype)
         grads = "bfloat16" if bf16 else "float32"
-        reduce = gradient_wire_bytes(dist.get_backend(), run.device.type, run.world, grads, "float32")
+        reduce = gradient_wire_bytes(
+            contender.theory is Strategy.NO_SHARD, dist.get_backend(), run.device.type, run.world, grads, "float32",
+            os.environ.get(EXCHANGE_ENV),
+        )
     return traffic_bytes_per_step(
         contender.theory, run.world, num_params, root_params=root_params, gather_bytes=gather, reduce_bytes=reduce
     )

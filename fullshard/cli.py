@@ -193,7 +193,7 @@ def train(args) -> int:
 
 
 def estimate(args) -> int:
-    from fullshard.plan.exchange import gradient_wire_bytes
+    from fullshard.plan.exchange import DEFAULT_BACKENDS, EXCHANGE_ENV, gradient_wire_bytes
     from fullshard.plan.strategy import peak_state_bytes, traffic_bytes_per_step
 
     _check_common(args)
@@ -211,9 +211,11 @@ def estimate(args) -> int:
     compute = 2 if args.mixed_precision == "bf16" else 4
     optim = 8 if args.optimizer == "adamw" else 0
     memory = peak_state_bytes(strategy, args.nproc, num_params, largest, 4, 4, optim, compute_bytes=compute)
-    backend = "nccl" if args.device == "cuda" else "gloo"
     grads = "bfloat16" if args.mixed_precision == "bf16" else "float32"
-    reduce = gradient_wire_bytes(backend, args.device, args.nproc, grads, "float32")
+    reduce = gradient_wire_bytes(
+        strategy is Strategy.NO_SHARD, DEFAULT_BACKENDS[args.device], args.device, args.nproc, grads, "float32",
+        os.environ.get(EXCHANGE_ENV),
+    )
     traffic = traffic_bytes_per_step(strategy, args.nproc, num_params, gather_bytes=compute, reduce_bytes=reduce)
     print(f"{num_params / 1e9:.3f}B parameters, {args.nproc} ranks, {strategy.value}, {args.mixed_precision}, {args.optimizer}")
     print("per rank:")

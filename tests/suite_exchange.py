@@ -7,10 +7,12 @@ The backend-collective path (what NCCL uses) keeps a parity run of its own here.
 from __future__ import annotations
 
 import contextlib
+import copy
 import os
 
 import torch
 import torch.distributed as dist
+import torch.nn as nn
 from torch.distributed.tensor import Shard
 
 import fullshard.runtime.group as group_module
@@ -244,3 +246,60 @@ def bf16_model_sends_bf16_gradients():
 
 
 EXTRA = [narrow_gradients_are_summed_widened, bf16_model_sends_bf16_gradients]
+
+
+class _Branches(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x, which):
+        outputs = {"a": self.a(x), "b": self.b(x)}
+        return sum(outputs[name] for name in which)
+
+
+def accumulation_with_rank_dependent_branches():
+    """bf16 + fp32 reduce, a no_sync micro-batch whose gradients reach different parameters on different ranks.
+
+    One unit (every rank runs its forward and backward, as FSDP requires), each
+    parameter in its own bucket. After the synced micro-batch a parameter holds
+    an fp32 accumulator on the rank whose loss used it before, a bf16 gradient
+    on the other: both ranks must still send the same dtype.
+    """
+    from fullshard import fully_shard
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    model = _Branches()
+    reference = copy.deepcopy(model).to(torch.bfloat16)
+    bf16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    saved = group_module.DEFAULT_FUSE_BELOW_NUMEL
+    group_module.DEFAULT_FUSE_BELOW_NUMEL = 0  # each parameter in a bucket of its own
+    try:
+        fully_shard(model, mesh=mesh_1d(), mp_policy=bf16)
+    finally:
+        group_module.DEFAULT_FUSE_BELOW_NUMEL = saved
+
+    def inputs(r):
+        gen = torch.Generator().manual_seed(r)
+        return [torch.randn(4, 8, generator=gen) for _ in range(2)]
+
+    plan = {r: [("a",) if r % 2 == 0 else ("b",), ("a", "b")] for r in range(world)}
+    with model.no_sync():
+        model(inputs(rank)[0], plan[rank][0]).sum().backward()
+    model(inputs(rank)[1], plan[rank][1]).sum().backward()
+    # reference: every rank's micro-batches in bf16, gradients summed in fp32, averaged over ranks
+    expected = {name: torch.zeros_like(p, dtype=torch.float32) for name, p in reference.named_parameters()}
+    for r in range(world):
+        for x, which in zip(inputs(r), plan[r]):
+            reference.zero_grad()
+            reference(x.bfloat16(), which).sum().backward()
+            for name, p in reference.named_parameters():
+                if p.grad is not None:  # the branch this micro-batch's loss skipped has none
+                    expected[name] += p.grad.float() / world
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.grad.full_tensor(), expected[name], rtol=1e-2, atol=1e-2, msg=name)
+    return True
+
+
+EXTRA.append(accumulation_with_rank_dependent_branches)

@@ -230,7 +230,7 @@ def test_parameter_devices_fully_shard_accepts(param_device, mesh_device, accept
     ("nccl", "cuda", 2, Exchange.COLLECTIVE),
     ("cpu:gloo,cuda:nccl", "cpu", 4, Exchange.PAIRWISE),
     ("cpu:gloo,cuda:nccl", "cuda", 4, Exchange.COLLECTIVE),
-    ("gloo", "meta", 2, Exchange.COLLECTIVE),  # not materialized yet: planned again after to_empty
+    ("gloo", "meta", 2, Exchange.COLLECTIVE),
     ("mpi", "cpu", 2, Exchange.COLLECTIVE),
 ])
 def test_exchange_is_pairwise_only_for_cpu_tensors_on_gloo(backend, device, size, expected):
@@ -245,9 +245,12 @@ def test_backend_string_is_read_per_device():
 
 def test_exchange_override_wins_and_bad_values_name_the_variable():
     assert choose_exchange("gloo", "cpu", 2, override="collective") is Exchange.COLLECTIVE
-    assert choose_exchange("nccl", "cuda", 2, override=" Pairwise ") is Exchange.PAIRWISE
+    assert choose_exchange("gloo", "cpu", 64, override=" Pairwise ") is Exchange.PAIRWISE
     with pytest.raises(ValueError, match="FULLSHARD_EXCHANGE='ring'.*'collective' or 'pairwise'"):
         choose_exchange("gloo", "cpu", 2, override="ring")
+    # NCCL runs a pair's messages in issue order and has no tags: pairwise there would hang
+    with pytest.raises(ValueError, match="FULLSHARD_EXCHANGE=pairwise needs CPU tensors on a gloo"):
+        choose_exchange("nccl", "cuda", 2, override="pairwise")
 
 
 def test_pairwise_reduce_scatter_scratch():
@@ -309,6 +312,8 @@ def test_widening_is_exact_for_every_pair_the_plan_allows():
 
 
 def test_gradient_wire_bytes_follow_the_backend():
-    assert gradient_wire_bytes("gloo", "cpu", 2, "bfloat16", "float32") == 2
-    assert gradient_wire_bytes("nccl", "cuda", 2, "bfloat16", "float32") == 4
-    assert gradient_wire_bytes("gloo", "cpu", 16, "bfloat16", "float32") == 4  # gloo's ring above 8 ranks
+    assert gradient_wire_bytes(False, "gloo", "cpu", 2, "bfloat16", "float32") == 2
+    assert gradient_wire_bytes(False, "nccl", "cuda", 2, "bfloat16", "float32") == 4
+    assert gradient_wire_bytes(False, "gloo", "cpu", 16, "bfloat16", "float32") == 4  # gloo's ring above 8 ranks
+    assert gradient_wire_bytes(False, "gloo", "cpu", 2, "bfloat16", "float32", override="collective") == 4
+    assert gradient_wire_bytes(True, "gloo", "cpu", 2, "bfloat16", "float32") == 4  # no_shard all-reduces in fp32

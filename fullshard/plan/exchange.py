@@ -55,17 +55,31 @@ def backend_for_device(backend: str, device_type: str) -> str:
     return ""
 
 
+# The backend torch.distributed uses for each device type when none is named (and the main job's choice).
+DEFAULT_BACKENDS = {"cpu": "gloo", "cuda": "nccl"}
+
+
 def choose_exchange(backend: str, device_type: str, group_size: int, override: Optional[str] = None) -> Exchange:
-    """PAIRWISE for CPU tensors on gloo groups of up to MAX_PAIRWISE_RANKS, else COLLECTIVE; ``override`` wins."""
+    """PAIRWISE for CPU tensors on gloo groups of up to MAX_PAIRWISE_RANKS, else COLLECTIVE; ``override`` wins.
+
+    Pairwise needs gloo's point-to-point semantics (sends and receives posted
+    in any order, matched by tag); NCCL runs a pair's messages in issue order
+    and ignores tags, so forcing it there is refused rather than left to hang.
+    """
+    on_gloo_cpu = device_type == "cpu" and backend_for_device(backend, device_type) == "gloo"
     if override:
         try:
-            return Exchange(override.strip().lower())
+            chosen = Exchange(override.strip().lower())
         except ValueError:
             choices = " or ".join(repr(e.value) for e in Exchange)
             raise ValueError(f"{EXCHANGE_ENV}={override!r} is not an exchange; set it to {choices}, or unset it") from None
-    if device_type == "cpu" and backend_for_device(backend, device_type) == "gloo" and group_size <= MAX_PAIRWISE_RANKS:
-        return Exchange.PAIRWISE
-    return Exchange.COLLECTIVE
+        if chosen is Exchange.PAIRWISE and not on_gloo_cpu:
+            raise ValueError(
+                f"{EXCHANGE_ENV}=pairwise needs CPU tensors on a gloo process group (here: {device_type} tensors "
+                f"on {backend!r}); unset it or set it to 'collective'"
+            )
+        return chosen
+    return Exchange.PAIRWISE if on_gloo_cpu and group_size <= MAX_PAIRWISE_RANKS else Exchange.COLLECTIVE
 
 
 # Every value of the key dtype is exactly a value of each listed dtype, which is at least twice as wide.
@@ -91,9 +105,17 @@ def wire_dtype(exchange: Exchange, grad_dtype: str, reduce_dtype: str) -> str:
 DTYPE_BYTES = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2}
 
 
-def gradient_wire_bytes(backend: str, device_type: str, group_size: int, grad_dtype: str, reduce_dtype: str) -> int:
-    """Bytes per gradient element sent by a reduce-scatter on this backend and device (for the traffic formulas)."""
-    exchange = choose_exchange(backend, device_type, group_size)
+def gradient_wire_bytes(
+    all_reduce: bool, backend: str, device_type: str, group_size: int, grad_dtype: str, reduce_dtype: str,
+    override: Optional[str] = None,
+) -> int:
+    """Bytes per gradient element a rank's reduction carries (the traffic formulas' ``reduce_bytes``).
+
+    ``all_reduce``: replicated parameters (``no_shard``), all-reduced in place in the reduce dtype.
+    """
+    if all_reduce:
+        return DTYPE_BYTES[reduce_dtype]
+    exchange = choose_exchange(backend, device_type, group_size, override)
     return DTYPE_BYTES[wire_dtype(exchange, grad_dtype, reduce_dtype)]
 
 
@@ -115,7 +137,9 @@ def exchange_tag(label: str, kind: str) -> int:
 
     The same on every rank (a stable hash of the bucket's name, not Python's
     salted ``hash``), and different between buckets and between the two kinds,
-    so messages can only ever match the exchange they belong to, whatever
-    order the ranks issue exchanges in.
+    so the messages of two buckets of one model never match each other,
+    whatever order the ranks issue exchanges in. (Two models with the same
+    module names share tags; their exchanges, like any collectives, must then
+    be issued in the same order on every rank, and gloo matches in order.)
     """
     return zlib.crc32(f"{kind}:{label}".encode()) & 0x7FFFFFFF

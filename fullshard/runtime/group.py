@@ -83,7 +83,11 @@ class ParamGroup:
         self._plan()
         self.state = GroupState.SHARDED
         self._pending_gathers: list[PendingGather] = []
-        self.reduce_grads = True
+        self._reduce_grads = True
+        # Whether gradient sync was off at some point since the last reduction
+        # (set_requires_gradient_sync / no_sync, called alike on every rank):
+        # gradients may then be fp32 accumulators, and must travel as such.
+        self.accumulated_without_sync = False
         self.reshard_after_backward = reshard_after_backward
         self.divide_factor: Optional[float] = None
         self._grads_ready: set[int] = set()
@@ -334,6 +338,16 @@ class ParamGroup:
         return len(self._grads_ready) == len(self.trainable)
 
     @property
+    def reduce_grads(self) -> bool:
+        return self._reduce_grads
+
+    @reduce_grads.setter
+    def reduce_grads(self, value: bool) -> None:
+        self._reduce_grads = value
+        if not value:
+            self.accumulated_without_sync = True
+
+    @property
     def has_unfinished_grads(self) -> bool:
         """Some gradients arrived this backward but not all (unused parameters)."""
         return bool(self._grads_ready) and not self.backward_done
@@ -352,7 +366,7 @@ class ParamGroup:
                 continue
             present = [g for g in grads if g is not None]
             reduce_dtype = self.reduce_dtype(members[0])
-            wire = self.gradient_wire_dtype({g.dtype for g in present}, reduce_dtype)
+            wire = self.gradient_wire_dtype(members[0].compute_dtype, reduce_dtype)
             plan = plan_reduce(
                 bucket,
                 layouts,
@@ -369,14 +383,20 @@ class ParamGroup:
             if self.replicate_group is not None:
                 reduction.combine = functools.partial(self._sum_across_replicas, index)
             pending.append(reduction)
+        self.accumulated_without_sync = False
         return pending
 
-    def gradient_wire_dtype(self, grad_dtypes: set[torch.dtype], reduce_dtype: torch.dtype) -> torch.dtype:
-        """The dtype the bucket's gradients travel in (``plan.exchange.wire_dtype``); all-reduce: the reduce dtype."""
-        if self.all_reduce or len(grad_dtypes) != 1:
+    def gradient_wire_dtype(self, compute_dtype: torch.dtype, reduce_dtype: torch.dtype) -> torch.dtype:
+        """The dtype a bucket's gradients travel in (``plan.exchange.wire_dtype``), the same on every rank.
+
+        Decided from what every rank shares (dtypes, the exchange, whether sync
+        was off), never from the gradients this rank happens to hold: both ends
+        of each message must agree on its size. A gradient in another dtype is
+        cast into an owned input. All-reduce and accumulators: the reduce dtype.
+        """
+        if self.all_reduce or self.accumulated_without_sync:
             return reduce_dtype
-        name = wire_dtype(self.exchange, _dtype_name(next(iter(grad_dtypes))), _dtype_name(reduce_dtype))
-        return getattr(torch, name)
+        return getattr(torch, wire_dtype(self.exchange, _dtype_name(compute_dtype), _dtype_name(reduce_dtype)))
 
     def _sum_across_replicas(self, index: int, output: Owned) -> bool:
         """HSDP: add any partial sum, then all-reduce across replicas or keep it for later."""

@@ -3,10 +3,11 @@ from __future__ import annotations
 
 import csv
 import json
+import os
 from pathlib import Path
 from typing import Optional
 
-from fullshard.plan.exchange import gradient_wire_bytes
+from fullshard.plan.exchange import DEFAULT_BACKENDS, EXCHANGE_ENV, gradient_wire_bytes
 from fullshard.plan.strategy import Strategy, peak_state_bytes, traffic_bytes_per_step
 
 
@@ -24,8 +25,10 @@ def theoretical(cfg, world: int, units: dict[str, int]) -> dict:
     )
     # bf16 gradients, unless micro-batches were accumulated without sync (in fp32, the reduce dtype)
     grads = "bfloat16" if cfg.mixed_precision == "bf16" and cfg.grad_accum == 1 else "float32"
-    backend = "nccl" if cfg.device == "cuda" else "gloo"  # as the worker initializes it
-    reduce_bytes = gradient_wire_bytes(backend, cfg.device, world, grads, "float32")
+    reduce_bytes = gradient_wire_bytes(
+        strategy is Strategy.NO_SHARD, DEFAULT_BACKENDS[cfg.device], cfg.device, world, grads, "float32",
+        os.environ.get(EXCHANGE_ENV),
+    )
     traffic = traffic_bytes_per_step(
         strategy, world, num_params, root_params=root_params, gather_bytes=compute_bytes, reduce_bytes=reduce_bytes
     )

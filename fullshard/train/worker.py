@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from fullshard.plan.exchange import DEFAULT_BACKENDS
 from fullshard.runtime.collectives import traffic
 from fullshard.train.data import ByteCorpus
 from fullshard.train.models import ModelSpec, count_units
@@ -136,8 +137,7 @@ def run_rank(cfg: TrainConfig) -> dict:
     """Train on this rank (initializing the process group if needed); returns every rank's RankResult."""
     torch.set_num_threads(1)
     if not dist.is_initialized():
-        backend = "nccl" if cfg.device == "cuda" else "gloo"
-        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=cfg.timeout_s))
+        dist.init_process_group(DEFAULT_BACKENDS[cfg.device], timeout=datetime.timedelta(seconds=cfg.timeout_s))
     rank, world = dist.get_rank(), dist.get_world_size()
     if cfg.device == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
