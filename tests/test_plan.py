@@ -20,6 +20,7 @@ from fullshard.plan import (
     Unsharded,
     choose_exchange,
     exchange_tag,
+    members_are_row_blocks,
     plan_buckets,
     plan_gather,
     plan_reduce,
@@ -114,6 +115,28 @@ def test_buckets_cover_every_parameter_once_without_overlap(candidates, threshol
         assert spans[0][0] == 0 and spans[-1][1] == bucket.chunk_numel
         if len(bucket.members) > 1:
             assert all(params[m].padded_chunk_numel < threshold for m in bucket.members)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(layouts(), min_size=1, max_size=6))
+def test_row_block_buckets_are_whole_tensors_side_by_side(candidates):
+    """Where the plan says so, a bucket's rank-major buffer is the members' (world, -1) views concatenated."""
+    world = candidates[0].world
+    params = [ShardLayout(l.shape, l.dim, world) for l in candidates]
+    fulls = [torch.randn(l.shape) for l in params]
+    rank_major = torch.cat(  # what the runtime packs: each rank's padded chunks back to back
+        [torch.cat([padded_chunks(f, l)[rank].reshape(-1) for f, l in zip(fulls, params)]) for rank in range(world)]
+    )
+    fused = torch.cat([f.reshape(world, -1) for f in fulls], dim=1) if members_are_row_blocks(params) else None
+    if fused is not None:
+        assert torch.equal(fused.reshape(-1), rank_major)
+    assert members_are_row_blocks(params) == all(l.gather_is_prefix and l.chunk * world == l.dim_size for l in params)
+
+
+def test_row_blocks_exclude_padding_and_interleaved_dims():
+    assert members_are_row_blocks([ShardLayout((4, 3), 0, 2), ShardLayout((1, 6), 1, 2)])
+    assert not members_are_row_blocks([ShardLayout((4, 3), 0, 2), ShardLayout((5,), 0, 2)])  # padded
+    assert not members_are_row_blocks([ShardLayout((4, 6), 1, 2)])  # rows of dim 0 interleave
 
 
 def test_large_parameters_travel_alone():

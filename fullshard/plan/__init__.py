@@ -1,6 +1,6 @@
 """Framework-free planning: layouts, buckets and buffer ownership (no torch import)."""
 from fullshard.plan.exchange import Exchange, choose_exchange, exchange_tag, reduce_scratch_chunks, wire_dtype
-from fullshard.plan.layout import BucketLayout, ShardLayout, ceil_div, plan_buckets
+from fullshard.plan.layout import BucketLayout, ShardLayout, ceil_div, members_are_row_blocks, plan_buckets
 from fullshard.plan.ownership import (
     GatherPlan,
     Ownership,
@@ -24,6 +24,7 @@ __all__ = [
     "ceil_div",
     "choose_exchange",
     "exchange_tag",
+    "members_are_row_blocks",
     "plan_buckets",
     "plan_gather",
     "plan_reduce",

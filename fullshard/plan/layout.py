@@ -137,6 +137,18 @@ class BucketLayout:
         return start, start + layouts[self.members[member_index]].padded_chunk_numel
 
 
+def members_are_row_blocks(layouts: Sequence[ShardLayout]) -> bool:
+    """True when each member's whole tensor, viewed as ``(world, numel / world)``,
+    is its column block of the bucket's rank-major buffer viewed as ``(world, chunk_numel)``.
+
+    That holds when every member is gathered as a prefix (sharded on its
+    leading non-trivial dim) and needs no padding: rank r's chunk is then the
+    r-th contiguous ``numel / world`` elements of the tensor. Packing or
+    unpacking such a bucket is one fused copy instead of one per member and rank.
+    """
+    return all(layout.gather_is_prefix and not layout.needs_padding for layout in layouts)
+
+
 def plan_buckets(
     layouts: Sequence[ShardLayout],
     fuse_below_numel: int,
