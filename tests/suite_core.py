@@ -186,6 +186,7 @@ def api_surface():
     for name, param in model.named_parameters():
         assert isinstance(param.grad, DTensor) and param.grad.placements == param.placements, name
         assert param.grad.to_local().shape == param.to_local().shape, name
+        assert param.grad._spec is param._spec, name  # wrapped without building a sharding spec per step
     handle = model.layers[0].unshard(async_op=True)
     handle.wait()
     weight = model.layers[0].attn.qkv.weight

@@ -199,6 +199,12 @@ class ShardedParam:
         old = self.sharded.grad
         if old is not None:
             local_grad = old.to_local() + local_grad
+        spec = self.sharded._spec
+        if local_grad.dtype == spec.tensor_meta.dtype and local_grad.device == self.sharded.device:
+            # Every step wraps every gradient: share the parameter's (immutable)
+            # sharding spec instead of building and validating a new one.
+            self.sharded.grad = DTensor(local_grad, spec, requires_grad=False)
+            return
         self.sharded.grad = DTensor.from_local(
             local_grad,
             self.mesh,
