@@ -2,11 +2,13 @@
 from __future__ import annotations
 
 import contextlib
+import warnings
 from typing import Any, Callable, Iterator, Optional, Union
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed import fsdp as torch_fsdp
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
 
@@ -42,7 +44,7 @@ def _mark_managed(param: nn.Parameter) -> None:
 _FSDP_CLASSES: dict[type, type] = {}
 
 
-class UnshardHandle:
+class UnshardHandle(torch_fsdp.UnshardHandle):
     """Returned by ``unshard(async_op=True)``: ``wait()`` completes the all-gather."""
 
     def __init__(self, state: Optional[ShardState]) -> None:
@@ -55,8 +57,19 @@ class UnshardHandle:
         self._state = None
 
 
-class FSDPModule:
-    """Mixin added to every module ``fully_shard`` was applied to (a dynamic subclass)."""
+class FSDPModule(torch_fsdp.FSDPModule):
+    """Mixin added to every module ``fully_shard`` was applied to (a dynamic subclass).
+
+    It subclasses PyTorch's ``FSDPModule`` so that code finding FSDP modules
+    with ``isinstance`` (torchtitan, accelerate, Lightning, torch's pipeline
+    schedules) finds these too; every public method is defined here, none is
+    inherited. PyTorch's ``__new__`` is: constructing the class again (slicing
+    an ``nn.Sequential``) gives the original class, as in FSDP2.
+    """
+
+    # Where PyTorch's __new__ finds the original class in the MRO:
+    # [FSDP<Orig>, this class, torch's FSDPModule, Orig, ...]
+    _orig_cls_mro_index = 3
 
     def _fullshard_states(self, recurse: bool) -> list[ShardState]:
         modules = self.modules() if recurse else [self]
@@ -90,7 +103,8 @@ class FSDPModule:
         # to_empty(), .to(), .float() ... replace sharded parameters or their data:
         # show the sharded ones first, then re-adopt what changed.
         self.reshard()
-        result = super()._apply(*args, **kwargs)
+        # Past torch's FSDPModule (its _apply needs FSDP2 state) to the original class.
+        result = super(torch_fsdp.FSDPModule, self)._apply(*args, **kwargs)
         group = self._fullshard_state.group
         if group is not None:
             group.refresh_sharded()
@@ -152,6 +166,103 @@ class FSDPModule:
             if state.group is not None:
                 state.group.divide_factor = float(factor)
 
+    def set_reduce_scatter_divide_factor(self, factor: float) -> None:
+        """Deprecated in FSDP2 in favour of :meth:`set_gradient_divide_factor`, which it calls."""
+        warnings.warn(
+            "set_reduce_scatter_divide_factor is deprecated; use set_gradient_divide_factor", FutureWarning,
+            stacklevel=2,
+        )
+        self.set_gradient_divide_factor(factor)
+
+    def set_force_sum_reduction_for_comms(self, enable: bool) -> None:
+        """Accepted for FSDP2 compatibility: fullshard's collectives always sum, and divide afterwards."""
+        if not isinstance(enable, bool):
+            raise ValueError(f"set_force_sum_reduction_for_comms expects a bool, got {type(enable).__name__}")
+
+    def set_unshard_in_backward(self, unshard_in_backward: bool) -> None:
+        """False: do not all-gather this module's parameters for backward, because no backward
+        op reads them (e.g. an embedding, whose weight gradient needs only the indices)."""
+        state = self._fullshard_state
+        if state.group is not None:
+            state.group.unshard_in_backward = bool(unshard_in_backward)
+
+    def set_reduce_scatter_unused_params(self, reduce_scatter_unused_params: bool, *, recurse: bool = True) -> None:
+        """True: reduce a zero gradient for every parameter that got none in a backward.
+
+        Needed when ranks use different parameters in a step (conditional
+        branches, mixture of experts): every rank must take part in each
+        reduction. Each unit that ran forward in the step then reduces in
+        backward, and its parameters get a gradient (zero where no rank had one).
+        """
+        for state in self._fullshard_states(recurse):
+            if state.group is not None:
+                state.group.reduce_unused_params = bool(reduce_scatter_unused_params)
+
+    def set_all_reduce_hook(self, hook: Callable[[torch.Tensor], None], *, stream: Any = None) -> None:
+        """Call ``hook(reduced)`` on each reduced gradient bucket of this module's group, in place,
+        before the division by the world size (after the replica all-reduce under HSDP): e.g. to
+        all-reduce across replicas fullshard does not know of. ``stream`` must be None: fullshard
+        reduces on the current stream."""
+        if stream is not None:
+            raise ValueError("set_all_reduce_hook: fullshard runs the hook on the current stream; pass stream=None")
+        if not callable(hook):
+            raise ValueError(f"set_all_reduce_hook expects a callable, got {type(hook).__name__}")
+        state = self._fullshard_state
+        if state.group is not None:
+            state.group.all_reduce_hook = hook
+
+    def set_post_optim_event(self, event: Any) -> None:
+        """Make the next forward's all-gathers wait for ``event`` (recorded after the optimizer step).
+
+        fullshard gathers on the current stream, so this is only needed when the
+        optimizer ran on another stream; the event is used once, then dropped.
+        """
+        (self._fullshard_state.root or self._fullshard_state).post_optim_event = event
+
+    def reset_iter_state(self) -> None:
+        """After a forward or backward raised: drop this step's pending reductions and gradients
+        in flight, reshard every unit, so the next step starts clean (call on the root)."""
+        self._fullshard_state.reset_step()
+
+    def _ignored_hint(self, method: str) -> None:
+        warnings.warn(
+            f"{method} is a tuning hint for FSDP2's own buffers and streams; fullshard plans its "
+            "buffers and exchange itself and ignores it", UserWarning, stacklevel=3,
+        )
+
+    def set_allocate_memory_from_process_group_for_comm(self, enable: bool) -> None:
+        self._ignored_hint("set_allocate_memory_from_process_group_for_comm")
+
+    def set_symm_mem_for_comm(self) -> None:
+        self._ignored_hint("set_symm_mem_for_comm")
+
+    def set_reduce_scatter_max_input_buffers(self, max_input_buffers: int) -> None:
+        self._ignored_hint("set_reduce_scatter_max_input_buffers")
+
+    def _set_unshard_async_op(self, async_op: bool) -> None:
+        self._ignored_hint("_set_unshard_async_op")
+
+    def _unsupported(self, method: str) -> None:
+        raise NotImplementedError(
+            f"{type(self).__name__}.{method}: fullshard chooses its own collectives for each bucket "
+            "(see fullshard.plan.exchange) and does not take user-supplied ones; drop the call"
+        )
+
+    def set_custom_all_gather(self, comm: Any) -> None:
+        self._unsupported("set_custom_all_gather")
+
+    def set_custom_reduce_scatter(self, comm: Any) -> None:
+        self._unsupported("set_custom_reduce_scatter")
+
+    def set_separate_reduce_scatter_group(self, process_group: Any = None) -> None:
+        self._unsupported("set_separate_reduce_scatter_group")
+
+    def _get_fsdp_state(self) -> Any:
+        raise NotImplementedError(
+            f"{type(self).__name__} was sharded by fullshard, not torch.distributed.fsdp: it has no FSDP2 "
+            "state; use the FSDPModule methods instead"
+        )
+
 
 def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
     """Make ``module.<method_name>`` (e.g. ``generate``) gather and free parameters like ``forward``.
@@ -159,7 +270,11 @@ def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
     Only ``forward`` runs through module hooks; other methods that use the
     parameters need this (FSDP2 has the same function).
     """
-    state = _state_of(module, "register_fsdp_forward_method")
+    if not hasattr(module, "_fullshard_state"):
+        return  # as in FSDP2: a no-op for a module that is not sharded, so the same code runs without fullshard
+    if not callable(getattr(module, method_name, None)):
+        raise ValueError(f"register_fsdp_forward_method: {type(module).__name__} has no method '{method_name}'")
+    state = module._fullshard_state
     method = getattr(module, method_name)
 
     def wrapped(*args: Any, **kwargs: Any) -> Any:
@@ -264,6 +379,12 @@ def fully_shard(
     for m in modules:
         if not isinstance(m, nn.Module):
             raise TypeError(f"fully_shard expects nn.Module(s), got {type(m).__name__}")
+        if type(m).forward is nn.Module.forward:
+            raise ValueError(
+                f"fully_shard({type(m).__name__}): a container without forward is never called, so its "
+                "parameters would never be gathered; shard the modules it holds, or pass them as a list "
+                "to form one group: fully_shard(list(container), ...)"
+            )
         if hasattr(m, "_fullshard_state"):
             raise ValueError(
                 f"fully_shard was already applied to {type(m).__name__}; apply it once per module "

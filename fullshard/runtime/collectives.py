@@ -204,15 +204,20 @@ class PendingReduce:
     # Set for HSDP: called with the reduce-scatter output once it is complete;
     # returns False when the gradient is kept as a partial sum instead of installed.
     combine: Optional[Callable[[Owned], bool]] = None
+    # FSDPModule.set_all_reduce_hook: called on the summed output, in place, before the division.
+    hook: Optional[Callable[[torch.Tensor], None]] = None
 
     def finish(self) -> None:
-        wait(self.work, f"gradient reduction of {self.label}")
+        wait(self.work, f"gradient reduction of {self.label} (if ranks use different parameters in a step, e.g. "
+                        "conditional branches or experts, call set_reduce_scatter_unused_params(True) on the module)")
         buffers.release_all(self.transient)
         if self.combine is not None and not self.combine(self.output):
             self.output = None  # now a partial sum owned by the group
             return
         with torch.no_grad():
             out = self.output.writable("divide the reduced gradient")
+            if self.hook is not None:
+                self.hook(out)  # the user's hook may write it: the buffer is fullshard's to lend
             if self.divide_factor != 1:
                 out.div_(self.divide_factor)
             for index, param in enumerate(self.params):

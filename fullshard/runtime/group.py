@@ -10,7 +10,7 @@ import enum
 import functools
 import os
 import weakref
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -90,6 +90,11 @@ class ParamGroup:
         self.accumulated_without_sync = False
         self.reshard_after_backward = reshard_after_backward
         self.divide_factor: Optional[float] = None
+        # FSDPModule controls: see set_unshard_in_backward, set_reduce_scatter_unused_params, set_all_reduce_hook.
+        self.unshard_in_backward = True
+        self.reduce_unused_params = False
+        self.all_reduce_hook: Optional[Callable[[torch.Tensor], None]] = None
+        self.ran_forward = False  # since the last backward: with reduce_unused_params, it reduces in backward
         self._grads_ready: set[int] = set()
         self.backward_done = False
         self._hooks: list = []
@@ -141,6 +146,10 @@ class ParamGroup:
         return self._reduce_dtype or param.compute_dtype
 
     # ------------------------------------------------------------------ unshard / reshard
+    # Under torch.inference_mode, the buffers gathered into would become inference
+    # tensors, which keep no version counter and cannot be reused by a later
+    # training step: fullshard's own buffers are always ordinary tensors.
+    @torch.inference_mode(False)
     def unshard(self) -> None:
         """Issue the all-gathers (asynchronously); :meth:`wait_for_unshard` completes them."""
         if self.state is GroupState.UNSHARDED and self._shards_changed():
@@ -232,6 +241,7 @@ class ParamGroup:
 
             self._hooks.append(param.unsharded.register_post_accumulate_grad_hook(on_grad_accumulated))
 
+    @torch.inference_mode(False)
     def wait_for_unshard(self) -> None:
         if self.state is GroupState.UNSHARDING:
             pending, self._pending_gathers = self._pending_gathers, []
@@ -362,6 +372,10 @@ class ParamGroup:
             if not members[0].requires_grad:
                 continue
             grads = [p.take_unsharded_grad() for p in members]
+            if self.reduce_unused_params:
+                # Every rank reduces every bucket, a zero standing in for a gradient this rank lacks.
+                grads = [g if g is not None else torch.zeros(p.layout.shape, dtype=p.compute_dtype, device=p.device)
+                         for p, g in zip(members, grads)]
             if all(g is None for g in grads):
                 continue
             present = [g for g in grads if g is not None]
@@ -380,6 +394,7 @@ class ParamGroup:
                 bucket, plan, members, grads, reduce_dtype, wire, self.process_group, divide, self.labels[index],
                 self.exchange, self.reduce_tags[index], all_reduce=self.all_reduce,
             )
+            reduction.hook = self.all_reduce_hook
             if self.replicate_group is not None:
                 reduction.combine = functools.partial(self._sum_across_replicas, index)
             pending.append(reduction)
@@ -414,3 +429,11 @@ class ParamGroup:
     def reset_backward(self) -> None:
         self._grads_ready.clear()
         self.backward_done = False
+        self.ran_forward = False
+
+    def drop_unreduced_grads(self) -> None:
+        """Forget gradients not reduced yet (a step that raised): the next backward starts from none."""
+        for param in self.params:
+            if param.unsharded is not None:
+                param.unsharded.grad = None
+            param.grad_accumulator = None

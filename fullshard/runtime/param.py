@@ -121,9 +121,12 @@ class ShardedParam:
             stride=_contiguous_stride(layout.shape),
         )
         self.sharded = nn.Parameter(dtensor, requires_grad=self.requires_grad)
-        self._local = local
+        # The parameter's own local tensor (from_local and Parameter each make a view of
+        # ``local``): what refresh_from_module compares against to see a replacement.
+        self._local = self.sharded._local_tensor
         self.register_sharded()
 
+    @torch.inference_mode(False)  # new storage must be an ordinary tensor even under inference_mode
     def refresh_from_module(self) -> bool:
         """Re-adopt the sharded parameter if it was replaced or its data swapped; True if it was.
 
@@ -137,6 +140,8 @@ class ShardedParam:
         current = module._parameters.get(name)
         if current is self.sharded and current._local_tensor is self._local:
             return False
+        if current is not None and current is self.unsharded:
+            return False  # shown by an explicit unshard(); the sharded parameter is the one kept here
         if not isinstance(current, DTensor) or tuple(current.shape) != self.layout.shape:
             raise RuntimeError(
                 f"parameter '{self.fqn}' was replaced by a {type(current).__name__} of shape "

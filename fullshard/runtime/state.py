@@ -74,6 +74,7 @@ class ShardState:
         self._final_callback_queued = False
         self._forward_thread: Optional[int] = None
         self._pending_reduces: list[PendingReduce] = []
+        self.post_optim_event: Any = None  # root only: FSDPModule.set_post_optim_event
         if group is not None:
             group.on_grad_ready = self._on_grad_ready
         for module in modules:
@@ -180,7 +181,12 @@ class ShardState:
             for state in self.subtree:  # cheap identity checks: re-adopt replaced parameters
                 if state.group is not None:
                     state.group.refresh_sharded()
+            if self.post_optim_event is not None:
+                self.post_optim_event.wait()  # the gathers below run on the current stream
+                self.post_optim_event = None
         if self.group is not None:
+            if not _in_backward():
+                self.group.ran_forward = True
             root = self.root or self
             if not root._order_recorded and self not in root._forward_order:
                 root._forward_order.append(self)
@@ -223,16 +229,33 @@ class ShardState:
             return  # no backward in flight, or a recomputation inside it (activation checkpointing)
         if threading.get_ident() == root._forward_thread:
             # The same thread is not inside that backward any more: it raised. Start clean.
-            root._final_callback_queued = False
-            root._pending_reduces.clear()
-            for state in root.subtree:
-                if state.group is not None:
-                    state.group.reset_backward()
+            root.reset_step()
             return
         raise RuntimeError(
             f"{type(module).__name__} (fully_shard) was called from another thread while its backward is "
             "running on the thread that ran its forward; run forward and backward of one model from one thread"
         )
+
+    def reset_step(self) -> None:
+        """Abandon the step in flight (it raised): pending reductions and unreduced gradients are
+        dropped, every unit is resharded and shows its sharded parameters."""
+        root = self.root or self
+        root._final_callback_queued = False
+        for reduce in root._pending_reduces:
+            # The transfer may still be writing into the buffers: let it end before they are dropped.
+            try:
+                reduce.work.wait()
+            except Exception:  # the step is abandoned either way; only the buffers' lifetime matters
+                pass
+        root._pending_reduces.clear()  # owned buffers: dropping the references frees them
+        _active.root = None
+        for state in root.subtree or [root]:
+            group = state.group
+            if group is not None:
+                group.reset_backward()
+                group.drop_unreduced_grads()
+                group.reshard()
+                group.register_sharded()
 
     def _finish_root_forward(self) -> None:
         self._order_recorded = True
@@ -251,9 +274,15 @@ class ShardState:
     def _pre_backward(self, _grad: Any) -> None:
         self._queue_final_callback()
         group = self.group
-        group.unshard()
+        if group.unshard_in_backward:
+            group.unshard()
         self._prefetch(self.backward_prefetch or self._neighbour(-1))
+        if not group.unshard_in_backward:
+            return
         group.wait_for_unshard()
+        # Shown to the module until its backward is done: activation checkpointing
+        # inside this unit recomputes through submodules that have no hooks of ours.
+        group.register_unsharded()
 
     def _neighbour(self, offset: int) -> list["ShardState"]:
         """The unit that runs next in forward (+1) or in backward (-1), from the order recorded in forward."""
@@ -267,8 +296,9 @@ class ShardState:
     @staticmethod
     def _prefetch(states: list["ShardState"]) -> None:
         """Issue these units' all-gathers now, to overlap with the current unit's compute."""
+        backward = _in_backward()
         for other in states:
-            if other.group is not None:
+            if other.group is not None and (other.group.unshard_in_backward or not backward):
                 other.group.unshard()
 
     def _queue_final_callback(self) -> None:
@@ -279,7 +309,10 @@ class ShardState:
 
     def _on_grad_ready(self, group: ParamGroup) -> None:
         self._queue_final_callback()
-        if group.all_grads_ready and not group.backward_done:
+        # With reduce_unused_params, which gradients arrive differs between ranks, so
+        # "all arrived" would order reductions differently on each: those groups
+        # reduce at the end of backward instead, in module order on every rank.
+        if group.all_grads_ready and not group.backward_done and not group.reduce_unused_params:
             self._finish_group_backward(group)
 
     def _finish_group_backward(self, group: ParamGroup) -> None:
@@ -294,6 +327,7 @@ class ShardState:
         # that only compute input gradients: it is resharded at the end instead.
         if group.reshard_after_backward and len(group.trainable) == len(group.params):
             group.reshard()
+            group.register_sharded()
 
     def _finish_reduces(self) -> None:
         pending, self._pending_reduces = self._pending_reduces, []
@@ -303,7 +337,11 @@ class ShardState:
     def _end_of_backward(self) -> None:
         for state in self.subtree:
             group = state.group
-            if group is not None and group.has_unfinished_grads:
+            if group is None or group.backward_done:
+                continue
+            # Some gradients but not all (unused parameters); or, with reduce_unused_params,
+            # none at all on this rank while others may have some: every rank must reduce.
+            if group.has_unfinished_grads or (group.reduce_unused_params and group.ran_forward):
                 state._finish_group_backward(group)
         # ZeRO-1 reduces every group once, here, in the same order on every rank.
         for state in reversed(self.subtree):
@@ -323,6 +361,7 @@ class ShardState:
                 group.reshard()
             elif group.reduce_grads and group.backward_done:
                 group.mark_stale()  # the optimizer will change the shards: gather again next forward
+            group.register_sharded()  # at rest, modules show their sharded parameters
             group.reset_backward()
         self._final_callback_queued = False
         groups = [s.group for s in self.subtree if s.group is not None]
