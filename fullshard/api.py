@@ -257,6 +257,13 @@ class FSDPModule(torch_fsdp.FSDPModule):
     def set_separate_reduce_scatter_group(self, process_group: Any = None) -> None:
         self._unsupported("set_separate_reduce_scatter_group")
 
+    def __deepcopy__(self, memo: dict) -> Any:
+        raise TypeError(
+            f"copy.deepcopy of a sharded {type(self).__name__} is not supported (nor by FSDP2): its "
+            "parameters are shards bound to process groups. Deepcopy the model before fully_shard, or "
+            "build a new one and load a state dict into it."
+        )
+
     def _get_fsdp_state(self) -> Any:
         raise NotImplementedError(
             f"{type(self).__name__} was sharded by fullshard, not torch.distributed.fsdp: it has no FSDP2 "

@@ -278,6 +278,8 @@ def plain_module_calls_are_accepted_or_refused_clearly():
     sharded = fully_shard(nn.Linear(4, 4), mesh=mesh_1d())
     with pytest.raises(ValueError, match="has no method 'generate'"):
         register_fsdp_forward_method(sharded, "generate")
+    with pytest.raises(TypeError, match="Deepcopy the model before fully_shard"):
+        copy.deepcopy(sharded)
     with pytest.raises(ValueError, match="container without forward"):
         fully_shard(nn.ModuleList([nn.Linear(4, 4)]), mesh=mesh_1d())
 
