@@ -21,6 +21,7 @@ from fullshard.policies import (
     as_mp_policy,
     as_offload_policy,
 )
+from fullshard.runtime import fsdp2_views
 from fullshard.runtime.group import ParamGroup
 from fullshard.runtime.param import ShardedParam
 from fullshard.runtime.state import ShardState
@@ -191,8 +192,10 @@ class FSDPModule(torch_fsdp.FSDPModule):
 
         Needed when ranks use different parameters in a step (conditional
         branches, mixture of experts): every rank must take part in each
-        reduction. Each unit that ran forward in the step then reduces in
-        backward, and its parameters get a gradient (zero where no rank had one).
+        reduction. Each such unit that ran forward with grad enabled reduces at
+        the end of backward, in module order on every rank (holding its
+        unsharded parameters and gradients until then), and its parameters get
+        a gradient (zero where no rank had one).
         """
         for state in self._fullshard_states(recurse):
             if state.group is not None:
@@ -230,16 +233,16 @@ class FSDPModule(torch_fsdp.FSDPModule):
             "buffers and exchange itself and ignores it", UserWarning, stacklevel=3,
         )
 
-    def set_allocate_memory_from_process_group_for_comm(self, enable: bool) -> None:
+    def set_allocate_memory_from_process_group_for_comm(self, *args: Any, **kwargs: Any) -> None:
         self._ignored_hint("set_allocate_memory_from_process_group_for_comm")
 
-    def set_symm_mem_for_comm(self) -> None:
+    def set_symm_mem_for_comm(self, *args: Any, **kwargs: Any) -> None:
         self._ignored_hint("set_symm_mem_for_comm")
 
-    def set_reduce_scatter_max_input_buffers(self, max_input_buffers: int) -> None:
+    def set_reduce_scatter_max_input_buffers(self, *args: Any, **kwargs: Any) -> None:
         self._ignored_hint("set_reduce_scatter_max_input_buffers")
 
-    def _set_unshard_async_op(self, async_op: bool) -> None:
+    def _set_unshard_async_op(self, *args: Any, **kwargs: Any) -> None:
         self._ignored_hint("_set_unshard_async_op")
 
     def _unsupported(self, method: str) -> None:
@@ -254,8 +257,9 @@ class FSDPModule(torch_fsdp.FSDPModule):
     def set_custom_reduce_scatter(self, comm: Any) -> None:
         self._unsupported("set_custom_reduce_scatter")
 
-    def set_separate_reduce_scatter_group(self, process_group: Any = None) -> None:
-        self._unsupported("set_separate_reduce_scatter_group")
+    def set_separate_reduce_scatter_group(self, enable: bool, *args: Any, **kwargs: Any) -> None:
+        if enable:
+            self._unsupported("set_separate_reduce_scatter_group")
 
     def __deepcopy__(self, memo: dict) -> Any:
         raise TypeError(
@@ -265,10 +269,9 @@ class FSDPModule(torch_fsdp.FSDPModule):
         )
 
     def _get_fsdp_state(self) -> Any:
-        raise NotImplementedError(
-            f"{type(self).__name__} was sharded by fullshard, not torch.distributed.fsdp: it has no FSDP2 "
-            "state; use the FSDPModule methods instead"
-        )
+        """fullshard's state, whose ``_pre_forward``/``_post_forward`` take FSDP2's arguments: torch's own
+        ``register_fsdp_forward_method`` works on fullshard modules. Nothing else of FSDP2's state exists."""
+        return self._fullshard_state
 
 
 def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
@@ -386,7 +389,7 @@ def fully_shard(
     for m in modules:
         if not isinstance(m, nn.Module):
             raise TypeError(f"fully_shard expects nn.Module(s), got {type(m).__name__}")
-        if type(m).forward is nn.Module.forward:
+        if isinstance(m, (nn.ModuleList, nn.ModuleDict)):
             raise ValueError(
                 f"fully_shard({type(m).__name__}): a container without forward is never called, so its "
                 "parameters would never be gathered; shard the modules it holds, or pass them as a list "
@@ -512,6 +515,7 @@ def fully_shard(
     state = ShardState(modules, group, mp, reshard_after_forward, strategy)
     for m in modules:
         m._fullshard_state = state
+        fsdp2_views.expose(m, state)
         cls = type(m)
         if cls not in _FSDP_CLASSES:
             _FSDP_CLASSES[cls] = type(f"FSDP{cls.__name__}", (FSDPModule, cls), {})

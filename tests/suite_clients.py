@@ -7,6 +7,7 @@ tests/test_clients.py on 2 gloo ranks.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import functools
 
 import pytest
@@ -19,7 +20,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
 
 from fullshard import fully_shard, register_fsdp_forward_method
-from fullshard.models.gpt import Block
+from fullshard.models.gpt import GPT, Block
 from tests.parity import (
     TINY_GPT, TorchLayersLM, build_gpt, gpt_batch, gpt_loss, mesh_1d, run_parity, shard_blocks_then_root,
 )
@@ -50,6 +51,22 @@ def _inner_checkpointing() -> nn.Module:
     return model
 
 
+class OuterCheckpointGPT(GPT):
+    """Checkpoints every sharded block from outside, while each block checkpoints its MLP inside."""
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.wte(tokens) + self.wpe(torch.arange(tokens.shape[1]))
+        for layer in self.layers:
+            x = checkpoint(layer, x, use_reentrant=False)
+        return self.lm_head(self.ln_f(x))
+
+
+def _nested_checkpointing() -> nn.Module:
+    model = _inner_checkpointing()
+    model.__class__ = OuterCheckpointGPT
+    return model
+
+
 def activation_checkpointing_wrapped_before_sharding():
     """Recomputation runs through modules without fullshard's hooks: they must see unsharded parameters."""
     mesh = mesh_1d()
@@ -58,6 +75,7 @@ def activation_checkpointing_wrapped_before_sharding():
     for impl in (CheckpointImpl.NO_REENTRANT, CheckpointImpl.REENTRANT):
         losses[impl.name] = run_parity(functools.partial(_wrapped_blocks, impl), wrap).losses
     losses["inside_forward"] = run_parity(_inner_checkpointing, wrap).losses
+    losses["outside_and_inside"] = run_parity(_nested_checkpointing, wrap).losses
     return losses
 
 
@@ -105,12 +123,28 @@ def found_as_torch_fsdp_modules():
     methods = [name for name, value in vars(torch_fsdp.FSDPModule).items() if callable(value) and name != "__new__"]
     assert "_apply" in methods and "unshard" in methods
     assert [name for name in methods if name not in vars(FSDPModule)] == []
-    with pytest.raises(NotImplementedError, match="no FSDP2 state"):
-        model._get_fsdp_state()
     with pytest.raises(NotImplementedError, match="set_custom_all_gather"):
         model.set_custom_all_gather(object())
+    with pytest.raises(NotImplementedError, match="set_separate_reduce_scatter_group"):
+        model.set_separate_reduce_scatter_group(True)
+    model.set_separate_reduce_scatter_group(False)  # off is what fullshard does anyway
     with pytest.warns(UserWarning, match="ignores it"):
-        model.set_symm_mem_for_comm()
+        model.set_symm_mem_for_comm("NCCL")
+    with pytest.warns(UserWarning, match="ignores it"):
+        model.set_reduce_scatter_max_input_buffers(2, recurse=False)
+
+    # torch's own register_fsdp_forward_method drives fullshard's state through _get_fsdp_state.
+    class Projector(nn.Linear):
+        def project(self, x: torch.Tensor) -> torch.Tensor:
+            return x @ self.weight.t()
+
+    torch.manual_seed(0)
+    reference = Projector(4, 6)
+    projector = fully_shard(copy.deepcopy(reference), mesh=mesh_1d())
+    torch_fsdp.register_fsdp_forward_method(projector, "project")
+    x = torch.randn(3, 4)
+    torch.testing.assert_close(projector.project(x), reference.project(x))
+    assert isinstance(projector.weight, DTensor)  # sharded again afterwards
     with pytest.warns(FutureWarning, match="set_gradient_divide_factor"):
         model.set_reduce_scatter_divide_factor(2.0)
     assert model.layers[0]._fullshard_state.group.divide_factor == 2.0
@@ -187,18 +221,19 @@ def all_reduce_hook_sees_the_sum_before_division():
     model = shard_blocks_then_root(copy.deepcopy(reference), mesh=mesh_1d())
     calls = []
 
-    def triple(reduced: torch.Tensor) -> None:
+    def add_one(reduced: torch.Tensor) -> None:
         calls.append(reduced.numel())
-        reduced.mul_(3)
+        reduced.add_(1.0)  # before the division by the world size: every gradient grows by 1/world
 
     for unit in (model, *model.layers):
-        unit.set_all_reduce_hook(triple)
+        unit.set_all_reduce_hook(add_one)
+    world = dist.get_world_size()
     batch = gpt_batch(0, 4)
-    local = tuple(t.chunk(dist.get_world_size())[dist.get_rank()] for t in batch)
+    local = tuple(t.chunk(world)[dist.get_rank()] for t in batch)
     gpt_loss(model, local).backward()
     gpt_loss(reference, batch).backward()
     for (name, param), ref_param in zip(model.named_parameters(), reference.parameters()):
-        torch.testing.assert_close(param.grad.full_tensor(), 3 * ref_param.grad, msg=name)
+        torch.testing.assert_close(param.grad.full_tensor(), ref_param.grad + 1.0 / world, msg=name)
     assert len(calls) >= 3  # at least one bucket per unit
     return len(calls)
 
@@ -242,7 +277,7 @@ class FailOnce:
 def training_continues_after_a_failed_step():
     """reset_iter_state: after a forward or a backward raised, the next steps match the reference."""
     torch.manual_seed(0)
-    reference = build_gpt()
+    reference = build_gpt(dataclasses.replace(TINY_GPT, n_layers=3))  # blocks 2 and 1 reduce before block 0 fails
     model = shard_blocks_then_root(copy.deepcopy(reference), mesh=mesh_1d())
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
     ref_optimizer = torch.optim.SGD(reference.parameters(), lr=0.5)
@@ -255,7 +290,7 @@ def training_continues_after_a_failed_step():
             if step == 1:  # in forward, inside the second block
                 handle = model.layers[1].register_forward_pre_hook(failure)
                 failing = lambda: gpt_loss(model, local)  # noqa: E731
-            else:  # in backward, after the head and the last block reduced
+            else:  # in backward, after the head and the later blocks reduced
                 handle = model.layers[0].register_full_backward_pre_hook(failure)
                 failing = lambda: gpt_loss(model, local).backward()  # noqa: E731
             with pytest.raises(RuntimeError, match="injected failure"):
@@ -297,10 +332,41 @@ def plain_module_calls_are_accepted_or_refused_clearly():
     return True
 
 
+def pipeline_schedule_reduces_after_the_last_micro_batch():
+    """torch.distributed.pipelining treats fullshard stages as FSDP2 ones: sync off per
+    micro-batch, then its own reduction through the FSDP2 state (runtime/fsdp2_views.py)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
+
+    rank = dist.get_rank()
+    mesh = init_device_mesh("cpu", (2, 1), mesh_dim_names=("pp", "dp"))  # one stage per rank
+    torch.manual_seed(0)
+    reference = nn.Sequential(*[nn.Sequential(nn.Linear(8, 8), nn.Tanh()) for _ in range(4)])
+    stage_module = copy.deepcopy(reference[2 * rank : 2 * rank + 2])
+    reference_stage = reference[2 * rank : 2 * rank + 2]
+    for block in stage_module:
+        fully_shard(block, mesh=mesh["dp"])
+    fully_shard(stage_module, mesh=mesh["dp"])
+    stage = PipelineStage(stage_module, rank, 2, torch.device("cpu"), group=mesh["pp"].get_group())
+    mse = lambda out, target: ((out - target) ** 2).mean()  # noqa: E731
+    schedule = ScheduleGPipe(stage, n_microbatches=2, loss_fn=mse)
+    inputs = torch.randn(4, 8, generator=torch.Generator().manual_seed(1))
+    targets = torch.randn(4, 8, generator=torch.Generator().manual_seed(2))
+    for _ in range(2):
+        schedule.step(inputs) if rank == 0 else schedule.step(target=targets)
+        (sum(mse(reference(x), y) for x, y in zip(inputs.chunk(2), targets.chunk(2))) / 2).backward()
+        for (name, param), ref_param in zip(stage_module.named_parameters(), reference_stage.parameters()):
+            torch.testing.assert_close(param.grad.full_tensor(), ref_param.grad, msg=name)
+            assert isinstance(param, DTensor), name  # resharded after the reduction
+        stage_module.zero_grad(), reference.zero_grad()
+    return True
+
+
 def suite():
     return {fn.__name__: fn for fn in [
         activation_checkpointing_wrapped_before_sharding, explicit_unshard_before_forward,
         inference_mode_between_steps, found_as_torch_fsdp_modules, parameters_used_on_some_ranks_only,
         all_reduce_hook_sees_the_sum_before_division, embedding_not_gathered_for_backward,
         training_continues_after_a_failed_step, plain_module_calls_are_accepted_or_refused_clearly,
+        pipeline_schedule_reduces_after_the_last_micro_batch,
     ]}

@@ -127,10 +127,9 @@ def test_row_block_buckets_are_whole_tensors_side_by_side(candidates):
     rank_major = torch.cat(  # what the runtime packs: each rank's padded chunks back to back
         [torch.cat([padded_chunks(f, l)[rank].reshape(-1) for f, l in zip(fulls, params)]) for rank in range(world)]
     )
-    fused = torch.cat([f.reshape(world, -1) for f in fulls], dim=1) if members_are_row_blocks(params) else None
-    if fused is not None:
+    if members_are_row_blocks(params):
+        fused = torch.cat([f.reshape(world, -1) for f in fulls], dim=1)
         assert torch.equal(fused.reshape(-1), rank_major)
-    assert members_are_row_blocks(params) == all(l.gather_is_prefix and l.chunk * world == l.dim_size for l in params)
 
 
 def test_row_blocks_exclude_padding_and_interleaved_dims():

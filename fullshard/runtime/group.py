@@ -95,6 +95,7 @@ class ParamGroup:
         self.reduce_unused_params = False
         self.all_reduce_hook: Optional[Callable[[torch.Tensor], None]] = None
         self.ran_forward = False  # since the last backward: with reduce_unused_params, it reduces in backward
+        self.shown_for_backward = False  # the module shows the unsharded parameters for its backward
         self._grads_ready: set[int] = set()
         self.backward_done = False
         self._hooks: list = []
@@ -256,6 +257,7 @@ class ParamGroup:
         else:
             self.reshard()
 
+    @torch.inference_mode(False)
     def reshard_partially(self) -> None:
         """Keep this rank's chunks for its post-forward group, then free the unsharded storage."""
         self.wait_for_unshard()
@@ -430,10 +432,20 @@ class ParamGroup:
         self._grads_ready.clear()
         self.backward_done = False
         self.ran_forward = False
+        self.shown_for_backward = False
 
-    def drop_unreduced_grads(self) -> None:
-        """Forget gradients not reduced yet (a step that raised): the next backward starts from none."""
+    def abandon_step(self) -> None:
+        """Forget this step's gradients (it raised): unreduced and reduced ones, HSDP partial sums,
+        chunks kept after forward. As in FSDP2, an accumulation in progress is lost with them."""
         for param in self.params:
             if param.unsharded is not None:
                 param.unsharded.grad = None
-            param.grad_accumulator = None
+            if param.grad_accumulator is not None:
+                param.grad_accumulator.reclaim()
+                param.grad_accumulator = None
+            param.sharded.grad = None
+        for partial in self._partials.values():
+            partial.reclaim()
+        self._partials.clear()
+        buffers.release_all(self._kept)
+        self.accumulated_without_sync = not self.reduce_grads

@@ -26,6 +26,7 @@ from torch.autograd import Variable
 from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_flatten, tree_map
 
+from fullshard import buffers
 from fullshard.plan.strategy import Lifecycle, Strategy, lifecycle
 from fullshard.policies import MixedPrecisionPolicy
 from fullshard.runtime import checks
@@ -185,8 +186,8 @@ class ShardState:
                 self.post_optim_event.wait()  # the gathers below run on the current stream
                 self.post_optim_event = None
         if self.group is not None:
-            if not _in_backward():
-                self.group.ran_forward = True
+            if not _in_backward() and torch.is_grad_enabled():
+                self.group.ran_forward = True  # a forward that may have a backward
             root = self.root or self
             if not root._order_recorded and self not in root._forward_order:
                 root._forward_order.append(self)
@@ -203,7 +204,10 @@ class ShardState:
 
     def _post_forward(self, module: nn.Module, args: tuple, output: Any) -> Any:
         if self.group is not None:
-            self.group.register_sharded()
+            # A recomputation (activation checkpointing) inside this unit's backward keeps the
+            # unsharded parameters shown: a checkpoint nested inside may still recompute.
+            if not (_in_backward() and self.group.shown_for_backward):
+                self.group.register_sharded()
             self._forward_done.add(id(module))
             all_ran = len(self._forward_done) == len(self.modules)
             if all_ran:
@@ -242,18 +246,21 @@ class ShardState:
         root = self.root or self
         root._final_callback_queued = False
         for reduce in root._pending_reduces:
-            # The transfer may still be writing into the buffers: let it end before they are dropped.
+            # The transfer may still be writing into the buffers: let it end before they are let go.
             try:
                 reduce.work.wait()
             except Exception:  # the step is abandoned either way; only the buffers' lifetime matters
                 pass
-        root._pending_reduces.clear()  # owned buffers: dropping the references frees them
+            buffers.release_all(reduce.transient)
+            if reduce.output is not None:
+                reduce.output.reclaim()
+        root._pending_reduces.clear()
         _active.root = None
         for state in root.subtree or [root]:
             group = state.group
             if group is not None:
                 group.reset_backward()
-                group.drop_unreduced_grads()
+                group.abandon_step()
                 group.reshard()
                 group.register_sharded()
 
@@ -283,6 +290,7 @@ class ShardState:
         # Shown to the module until its backward is done: activation checkpointing
         # inside this unit recomputes through submodules that have no hooks of ours.
         group.register_unsharded()
+        group.shown_for_backward = True
 
     def _neighbour(self, offset: int) -> list["ShardState"]:
         """The unit that runs next in forward (+1) or in backward (-1), from the order recorded in forward."""
@@ -328,6 +336,7 @@ class ShardState:
         if group.reshard_after_backward and len(group.trainable) == len(group.params):
             group.reshard()
             group.register_sharded()
+            group.shown_for_backward = False
 
     def _finish_reduces(self) -> None:
         pending, self._pending_reduces = self._pending_reduces, []
@@ -348,6 +357,21 @@ class ShardState:
             group = state.group
             if group is not None and group.reduce_grads and state.lifecycle.reduce_at_end_of_backward:
                 self._pending_reduces.extend(group.reduce())
+        self.complete_backward()
+
+    def reduce_accumulated_grads(self) -> None:
+        """Reduce this unit's accumulated gradients now, outside autograd.
+
+        torch.distributed.pipelining does this after its last micro-batch (sync
+        back on), then calls :meth:`complete_backward` on the stage's root.
+        """
+        group = self.group
+        if group is not None and group.reduce_grads:
+            group.backward_done = True
+            (self.root or self)._pending_reduces.extend(group.reduce())
+
+    def complete_backward(self) -> None:
+        """Wait for the reductions in flight, then reshard and show the shards (root only)."""
         self._finish_reduces()
         offloaded = [s.group for s in self.subtree if s.group is not None and s.group.offloaded_to_host]
         if offloaded:

@@ -1,0 +1,51 @@
+"""What PyTorch's own distributed code reads from an FSDP2 module's state, served by fullshard's.
+
+fullshard's modules are instances of torch's ``FSDPModule`` (``api.FSDPModule``),
+so torch code that looks for FSDP modules finds them. Most of it only calls
+``FSDPModule`` methods, which fullshard defines. ``torch.distributed.pipelining``
+also reaches into the state: after the last micro-batch of a schedule it reduces
+the gradients itself, through ``fully_shard.state(module)._state_ctx.all_states``,
+each state's ``_fsdp_param_groups[i].post_backward()``, then the root's
+``_root_post_backward_final_callback()``. These read-only views answer those
+three calls with fullshard's own reduction; nothing else of FSDP2's state exists.
+"""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import torch.nn as nn
+from torch.distributed._composable.contract import STATE_KEY
+from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+from fullshard.runtime.state import ShardState
+
+
+class _GroupView:
+    def __init__(self, state: ShardState) -> None:
+        self._state = state
+
+    def post_backward(self) -> None:
+        self._state.reduce_accumulated_grads()
+
+
+class _StateView:
+    def __init__(self, state: ShardState) -> None:
+        self._state = state
+
+    @property
+    def _fsdp_param_groups(self) -> list[_GroupView]:
+        return [_GroupView(self._state)] if self._state.group is not None else []
+
+    @property
+    def _state_ctx(self) -> SimpleNamespace:
+        root = self._state.root or self._state
+        return SimpleNamespace(all_states=[_StateView(state) for state in (root.subtree or [root])])
+
+    def _root_post_backward_final_callback(self) -> None:
+        (self._state.root or self._state).complete_backward()
+
+
+def expose(module: nn.Module, state: ShardState) -> None:
+    """Answer ``torch.distributed.fsdp.fully_shard.state(module)`` with a view of ``state``."""
+    # fully_shard.state(m) looks its state up under the undecorated function.
+    module.__dict__.setdefault(STATE_KEY, {})[torch_fully_shard.__wrapped__] = _StateView(state)
