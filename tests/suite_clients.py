@@ -332,6 +332,49 @@ def plain_module_calls_are_accepted_or_refused_clearly():
     return True
 
 
+def reset_forgets_hsdp_partial_sums():
+    """HSDP: partial sums kept while the replica all-reduce is off do not survive reset_iter_state."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(), 1), mesh_dim_names=("replicate", "shard"))
+    torch.manual_seed(0)
+    reference = build_gpt()
+    model = shard_blocks_then_root(copy.deepcopy(reference), mesh=mesh)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    first, second = gpt_batch(0, 4), gpt_batch(1, 4)
+    model.set_requires_all_reduce(False)  # an accumulation cycle: partial sums wait in fullshard's buffers
+    gpt_loss(model, tuple(t.chunk(world)[rank] for t in first)).backward()
+    failure = FailOnce()
+    handle = model.layers[0].register_forward_pre_hook(failure)
+    with pytest.raises(RuntimeError, match="injected failure"):
+        gpt_loss(model, tuple(t.chunk(world)[rank] for t in first))
+    handle.remove()
+    model.reset_iter_state()  # the cycle is abandoned, its partial sums with it
+    model.set_requires_all_reduce(True)
+    gpt_loss(model, tuple(t.chunk(world)[rank] for t in second)).backward()
+    gpt_loss(reference, second).backward()
+    for (name, param), ref_param in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(param.grad.full_tensor(), ref_param.grad, msg=name)
+    return True
+
+
+def unused_params_reduce_only_after_grad_enabled_forwards():
+    """An evaluation forward (no_grad) does not make a unit reduce zeros in the next backward."""
+    torch.manual_seed(0)
+    model = TwoBranches()
+    fully_shard(model.block.expert, mesh=mesh_1d())
+    fully_shard(model, mesh=mesh_1d())
+    model.set_reduce_scatter_unused_params(True)
+    tokens, targets = gpt_batch(0, 2)
+    with torch.no_grad():
+        model(tokens, True)  # evaluation through the expert on every rank
+    loss = nn.functional.cross_entropy(model(tokens, False).flatten(0, 1), targets.flatten())
+    loss.backward()  # no rank used the expert with grad enabled: like the reference, no gradient at all
+    assert model.block.expert.weight.grad is None and model.block.expert.bias.grad is None
+    assert model.block.shared.weight.grad is not None
+    return True
+
+
 def pipeline_schedule_reduces_after_the_last_micro_batch():
     """torch.distributed.pipelining treats fullshard stages as FSDP2 ones: sync off per
     micro-batch, then its own reduction through the FSDP2 state (runtime/fsdp2_views.py)."""
@@ -368,5 +411,6 @@ def suite():
         inference_mode_between_steps, found_as_torch_fsdp_modules, parameters_used_on_some_ranks_only,
         all_reduce_hook_sees_the_sum_before_division, embedding_not_gathered_for_backward,
         training_continues_after_a_failed_step, plain_module_calls_are_accepted_or_refused_clearly,
-        pipeline_schedule_reduces_after_the_last_micro_batch,
+        pipeline_schedule_reduces_after_the_last_micro_batch, reset_forgets_hsdp_partial_sums,
+        unused_params_reduce_only_after_grad_enabled_forwards,
     ]}
