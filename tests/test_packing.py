@@ -1,6 +1,6 @@
 """Packing and unpacking fused buckets (no processes): the one-copy path for row-block buckets.
 
-A bucket whose members are row blocks (``plan.members_are_row_blocks``) is
+A bucket whose members are row blocks (``BucketLayout.row_blocks``, from the plan) is
 packed and unpacked by one fused copy; others fall back to a copy per member
 and rank. Both must lay out exactly what the plan says.
 """
@@ -51,6 +51,7 @@ PADDED = [((8, 3), 0), ((5,), 0), ((3, 4), 1)]
 
 def test_row_block_buckets_pack_and_unpack_with_one_copy():
     bucket, params, fulls = _members(ROW_BLOCKS, world=2)
+    assert bucket.row_blocks
     flat = torch.empty(bucket.total_numel)
     with CountOps() as packing:
         pack_rank_chunks(flat, bucket, params, fulls)
@@ -93,6 +94,7 @@ def test_own_row_is_packed_with_one_copy():
 
 def test_padded_or_interleaved_members_fall_back_and_stay_exact():
     bucket, params, fulls = _members(PADDED, world=2)
+    assert not bucket.row_blocks
     flat = torch.full((bucket.total_numel,), float("nan"))
     pack_rank_chunks(flat, bucket, params, fulls)
     assert torch.equal(flat.view(bucket.world, -1), _reference_rows(bucket, params, fulls))

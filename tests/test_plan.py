@@ -109,6 +109,7 @@ def test_buckets_cover_every_parameter_once_without_overlap(candidates, threshol
     assert sorted(members) == list(range(len(params)))
     for bucket in buckets:
         assert len({kinds[m] for m in bucket.members}) == 1
+        assert bucket.row_blocks == members_are_row_blocks([params[m] for m in bucket.members])
         spans = [bucket.member_span(i, params) for i in range(len(bucket.members))]
         for (start, end), (next_start, _) in zip(spans, spans[1:]):
             assert end == next_start  # packed back to back: no overlap, no gap

@@ -121,6 +121,8 @@ class BucketLayout:
     offsets: tuple[int, ...]
     chunk_numel: int
     world: int
+    # Every member is a row block (``members_are_row_blocks``): packed and unpacked by one fused copy.
+    row_blocks: bool = False
 
     @property
     def total_numel(self) -> int:
@@ -181,7 +183,8 @@ def plan_buckets(
         for i in indices:
             offsets.append(running)
             running += layouts[i].padded_chunk_numel
-        buckets.append(BucketLayout(tuple(indices), tuple(offsets), running, world))
+        row_blocks = members_are_row_blocks([layouts[i] for i in indices])
+        buckets.append(BucketLayout(tuple(indices), tuple(offsets), running, world, row_blocks))
 
     for i, (layout, kind) in enumerate(zip(layouts, kinds)):
         if layout.padded_chunk_numel >= fuse_below_numel:

@@ -17,8 +17,7 @@ import torch.distributed as dist
 from fullshard import buffers
 from fullshard.buffers import Borrowed, Owned
 from fullshard.plan import (
-    BucketLayout, Exchange, GatherPlan, Ownership, ReducePlan, ShardedGrad, Unsharded, members_are_row_blocks,
-    reduce_scratch_chunks,
+    BucketLayout, Exchange, GatherPlan, Ownership, ReducePlan, ShardedGrad, Unsharded, reduce_scratch_chunks,
 )
 from fullshard.runtime import exchange as transport
 from fullshard.runtime.param import ShardedParam
@@ -58,7 +57,7 @@ def pack_rank_chunks(
 ) -> None:
     """Write each full tensor's chunks for ``ranks`` into a rank-major buffer (padding zeroed; None: zeros)."""
     ranks = ranks if ranks is not None else range(bucket.world)
-    if all(full is not None for full in fulls) and members_are_row_blocks([p.layout for p in params]):
+    if bucket.row_blocks and all(full is not None for full in fulls):
         rows = [full.reshape(bucket.world, -1)[ranks.start : ranks.stop] for full in fulls]
         torch.cat(rows, dim=1, out=flat.view(len(ranks), bucket.chunk_numel))  # casts to the buffer's dtype
         return
@@ -76,7 +75,7 @@ def pack_rank_chunks(
 def unpack_rank_chunks(flat: torch.Tensor, bucket: BucketLayout, params: Sequence[ShardedParam],
                        fulls: Sequence[torch.Tensor]) -> None:
     """The inverse of :func:`pack_rank_chunks` for all ranks: rebuild full tensors, padding dropped."""
-    if all(full.dtype == flat.dtype for full in fulls) and members_are_row_blocks([p.layout for p in params]):
+    if bucket.row_blocks and all(full.dtype == flat.dtype for full in fulls):
         sizes = [p.layout.padded_chunk_numel for p in params]
         torch.split_with_sizes_copy(flat.view(bucket.world, bucket.chunk_numel), sizes, dim=1,
                                     out=[full.view(bucket.world, -1) for full in fulls])
@@ -121,7 +120,7 @@ class PendingGather:
 
 def _pack_local_chunks(flat: torch.Tensor, bucket: BucketLayout, params: Sequence[ShardedParam]) -> None:
     """Write this rank's padded chunk of every member into ``flat`` (one rank's row of the bucket)."""
-    if members_are_row_blocks([p.layout for p in params]) and all(p.storage_device == flat.device for p in params):
+    if bucket.row_blocks and all(p.storage_device == flat.device for p in params):
         shards = [(p.padded_chunk if p.padded_chunk is not None else p.local_shard()).reshape(-1) for p in params]
         torch.cat(shards, out=flat)  # one copy (and cast to the compute dtype) for the whole row
         return
