@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from fullshard.plan import Exchange, reduce_scratch_chunks
-from fullshard.runtime import exchange
+from fullshard.torch import exchange
 
 
 def other_threads_cpu_s() -> float:

@@ -8,19 +8,19 @@ from typing import Any
 __version__ = "0.1.0"
 
 _EXPORTS = {
-    "fully_shard": "fullshard.api",
-    "FSDPModule": "fullshard.api",
-    "UnshardHandle": "fullshard.api",
-    "register_fsdp_forward_method": "fullshard.api",
-    "MixedPrecisionPolicy": "fullshard.policies",
-    "OffloadPolicy": "fullshard.policies",
-    "CPUOffloadPolicy": "fullshard.policies",
-    "OwnershipError": "fullshard.buffers",
-    "set_check_ownership": "fullshard.buffers",
-    "set_check_finite": "fullshard.runtime.checks",
-    "set_check_inputs": "fullshard.runtime.checks",
-    "memory_report": "fullshard.accounting",
-    "reset_traffic": "fullshard.accounting",
+    "fully_shard": "fullshard.torch.api",
+    "FSDPModule": "fullshard.torch.api",
+    "UnshardHandle": "fullshard.torch.api",
+    "register_fsdp_forward_method": "fullshard.torch.api",
+    "MixedPrecisionPolicy": "fullshard.torch.policies",
+    "OffloadPolicy": "fullshard.torch.policies",
+    "CPUOffloadPolicy": "fullshard.torch.policies",
+    "OwnershipError": "fullshard.torch.buffers",
+    "set_check_ownership": "fullshard.torch.buffers",
+    "set_check_finite": "fullshard.torch.checks",
+    "set_check_inputs": "fullshard.torch.checks",
+    "memory_report": "fullshard.torch.accounting",
+    "reset_traffic": "fullshard.torch.accounting",
 }
 __all__ = sorted(_EXPORTS)
 

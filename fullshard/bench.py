@@ -540,7 +540,7 @@ def measure_memory(contender: Contender, config: Configuration, run: Run) -> tup
 
     These steps are also the warm-up of the timed rounds, which reuse the trainer.
     """
-    from fullshard import buffers
+    from fullshard.torch import buffers
 
     gc.collect()
     rss_method = _reset_peak_rss()
@@ -611,7 +611,7 @@ def fit_rounds(step_seconds: list[float], budget_s: float, run: Run) -> int:
 
 def time_rounds(trainers: dict[str, Trainer], run: Run, rounds: int) -> dict[str, dict]:
     """Interleave the libraries step by step; return each one's times, bytes and losses on this rank."""
-    from fullshard.runtime.collectives import traffic as fullshard_traffic
+    from fullshard.torch.collectives import traffic as fullshard_traffic
 
     labels = list(trainers)
     results = {label: {"times": [], "bytes": [], "self_reported": [], "losses": []} for label in labels}
@@ -764,7 +764,7 @@ def _paired_ratios(libraries: dict[str, dict], config: Configuration) -> dict[st
 
 def summarize(ranks: list[list[dict]], run: Run, options: dict) -> dict:
     import fullshard
-    from fullshard.buffers import check_ownership_enabled
+    from fullshard.torch.buffers import check_ownership_enabled
 
     counts = num_params, root_params = model_counts(run.model)
     configs = []

@@ -149,7 +149,7 @@ def _launch(cfg, nproc: int) -> list[dict]:
     except (SignalException, KeyboardInterrupt) as error:
         where = ""
         if cfg.checkpoint_dir:
-            from fullshard.checkpoint import latest_step
+            from fullshard.torch.checkpoint import latest_step
 
             step = latest_step(Path(cfg.checkpoint_dir))
             where = f"; the last complete checkpoint is step {step}: continue with --resume" if step else ""
@@ -230,7 +230,7 @@ def estimate(args) -> int:
 
 def export(args) -> int:
     """One process, no process group: read the shards, write the full state dict."""
-    from fullshard.checkpoint import export_full
+    from fullshard.torch.checkpoint import export_full
 
     if not Path(args.checkpoint, ".metadata").is_file():
         raise UsageError(f"{args.checkpoint} is not a complete checkpoint directory (no .metadata)")

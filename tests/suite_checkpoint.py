@@ -26,9 +26,9 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.debug import CommDebugMode
 from torch.utils._pytree import tree_map
 
-import fullshard.runtime.collectives as collectives
+import fullshard.torch.collectives as collectives
 from fullshard import FSDPModule
-from fullshard.checkpoint import load_checkpoint, load_into, latest_step, save_atomic, step_dir
+from fullshard.torch.checkpoint import load_checkpoint, load_into, latest_step, save_atomic, step_dir
 from fullshard.models.gpt import GPT, GPTConfig
 from tests.parity import gpt_batch, gpt_loss, mesh_1d, shard_blocks_then_root
 

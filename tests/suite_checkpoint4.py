@@ -10,7 +10,7 @@ from typing import Any, Callable
 import torch.distributed as dist
 from torch.distributed.tensor import Shard
 
-from fullshard.checkpoint import save_atomic, step_dir
+from fullshard.torch.checkpoint import save_atomic, step_dir
 from tests.suite_checkpoint import (
     CFG,
     adamw,

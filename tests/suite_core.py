@@ -14,7 +14,7 @@ import torch.nn as nn
 from torch.distributed.fsdp import MixedPrecisionPolicy as TorchMixedPrecisionPolicy
 from torch.distributed.tensor import DTensor, Shard
 
-import fullshard.runtime.group as group_module
+import fullshard.torch.group as group_module
 from fullshard import FSDPModule, MixedPrecisionPolicy, fully_shard
 from tests.parity import TorchLayersLM, build_gpt, mesh_1d, run_parity, shard_blocks_then_root
 
@@ -240,7 +240,7 @@ def mixed_precision_casts_inputs_and_outputs():
 
 def no_sync_and_reshard_after_backward_controls():
     """no_sync() accumulates locally; set_reshard_after_backward(False) keeps parameters for the next micro-batch."""
-    from fullshard.accounting import reset_traffic, traffic_bytes
+    from fullshard.torch.accounting import reset_traffic, traffic_bytes
 
     mesh = mesh_1d()
     model = shard_blocks_then_root(build_gpt(), mesh=mesh)
@@ -271,7 +271,7 @@ def implicit_prefetch_in_forward_and_backward():
     Backward starts in the root (the head, after the last block in forward),
     so the root prefetches the last block, not the first.
     """
-    from fullshard.runtime.group import GroupState
+    from fullshard.torch.group import GroupState
 
     mesh = mesh_1d()
     model = shard_blocks_then_root(build_gpt(), mesh=mesh)

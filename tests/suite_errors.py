@@ -8,7 +8,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-import fullshard.runtime.group as group_module
+import fullshard.torch.group as group_module
 from fullshard import FSDPModule, MixedPrecisionPolicy, fully_shard
 from fullshard.models.gpt import GPT, GPTConfig
 from tests.parity import build_gpt, mesh_1d, run_parity, shard_blocks_then_root

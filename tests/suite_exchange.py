@@ -15,11 +15,12 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import Shard
 
-import fullshard.runtime.group as group_module
-from fullshard import MixedPrecisionPolicy, buffers
+import fullshard.torch.group as group_module
+from fullshard import MixedPrecisionPolicy
+from fullshard.torch import buffers
 from fullshard.plan import Exchange, exchange_tag, reduce_scratch_chunks
 from fullshard.plan.exchange import EXCHANGE_ENV
-from fullshard.runtime import exchange
+from fullshard.torch import exchange
 from tests.parity import build_gpt, gpt_batch, gpt_loss, mesh_1d, run_parity, shard_blocks_then_root
 
 
@@ -220,7 +221,7 @@ def narrow_gradients_are_summed_widened():
 
 def bf16_model_sends_bf16_gradients():
     """bf16 compute with fp32 reduction: every byte sent is bf16 (half the fp32 payload), the step still matches."""
-    from fullshard.accounting import reset_traffic, traffic_bytes
+    from fullshard.torch.accounting import reset_traffic, traffic_bytes
 
     mesh = mesh_1d()
     bf16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)

@@ -10,7 +10,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from fullshard import MixedPrecisionPolicy
-from fullshard.accounting import reset_traffic, traffic_bytes
+from fullshard.torch.accounting import reset_traffic, traffic_bytes
 from tests.parity import build_gpt, gpt_batch, gpt_loss, run_parity, shard_blocks_then_root
 
 
@@ -65,8 +65,8 @@ def suite():
 
 def reshard_after_forward_to_smaller_group():
     """reshard_after_forward=2 on 4 ranks: backward all-gathers within pairs, from half-size kept chunks."""
-    import fullshard.runtime.exchange as exchange
-    from fullshard.buffers import comm_bytes
+    import fullshard.torch.exchange as exchange
+    from fullshard.torch.buffers import comm_bytes
     from tests.parity import mesh_1d
 
     mesh = mesh_1d()

@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 from torch.distributed.tensor import DTensor
 
-from fullshard.materialize import materialize
+from fullshard.torch.materialize import materialize
 from tests.parity import build_gpt, gpt_batch, gpt_loss, mesh_1d, shard_blocks_then_root
 
 

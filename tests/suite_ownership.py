@@ -15,9 +15,10 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import Shard
 
-import fullshard.runtime.group as group_module
-from fullshard import MixedPrecisionPolicy, buffers, fully_shard
-from fullshard.runtime.param import ShardedParam
+import fullshard.torch.group as group_module
+from fullshard import MixedPrecisionPolicy, fully_shard
+from fullshard.torch import buffers
+from fullshard.torch.param import ShardedParam
 from tests.parity import mesh_1d, run_parity
 
 

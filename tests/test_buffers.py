@@ -2,8 +2,8 @@
 import pytest
 import torch
 
-from fullshard import buffers
-from fullshard.buffers import OwnershipError
+from fullshard.torch import buffers
+from fullshard.torch.buffers import OwnershipError
 
 
 @pytest.fixture(autouse=True)
@@ -51,6 +51,7 @@ def test_owned_storage_that_is_also_lent_cannot_be_freed_or_written():
 def test_unknown_storage_cannot_be_freed():
     foreign = buffers.Owned.__new__(buffers.Owned)  # bypass registration: storage fullshard never allocated
     foreign.tensor, foreign.what, foreign.working = torch.randn(4), "a tensor from elsewhere", False
+    foreign._ops = buffers.TORCH_STORAGE
     foreign._nbytes, foreign._counted = 16, 0
     with pytest.raises(OwnershipError, match="not allocated by fullshard"):
         foreign.reclaim()

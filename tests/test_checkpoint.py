@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from fullshard.checkpoint import (
+from fullshard.torch.checkpoint import (
     export_full,
     latest_step,
     load_full,
@@ -226,7 +226,7 @@ _KILLED_SAVER = r"""
 import os, sys, time
 from pathlib import Path
 import torch
-from fullshard.checkpoint import save_atomic
+from fullshard.torch.checkpoint import save_atomic
 
 # 64 MiB; DCP fsyncs each data file before it writes the metadata: stop there, mid-save.
 state = {f"t{i}": torch.full((1 << 21,), float(i)) for i in range(8)}

@@ -240,7 +240,7 @@ def test_offloaded_shards_get_copied_gradients():
 ])
 def test_parameter_devices_fully_shard_accepts(param_device, mesh_device, accepted):
     """The device rule of fully_shard (its error path needs a second device type to reach end to end)."""
-    from fullshard.api import _device_accepted
+    from fullshard.torch.api import _device_accepted
 
     assert _device_accepted(torch.device(param_device), torch.device(mesh_device)) is accepted
 

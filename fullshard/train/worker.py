@@ -21,7 +21,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from fullshard.plan.exchange import DEFAULT_BACKENDS
-from fullshard.runtime.collectives import traffic
+from fullshard.torch.collectives import traffic
 from fullshard.train.data import ByteCorpus
 from fullshard.train.models import ModelSpec, count_units
 from fullshard.train.progress import Progress
@@ -114,7 +114,7 @@ def _checkpoint_state(model, optimizer):
 
 
 def save_checkpoint(cfg: TrainConfig, model, optimizer, step: int) -> None:
-    from fullshard.checkpoint import save_atomic
+    from fullshard.torch.checkpoint import save_atomic
 
     save_atomic(_checkpoint_state(model, optimizer), Path(cfg.checkpoint_dir), step)
 
@@ -122,7 +122,7 @@ def save_checkpoint(cfg: TrainConfig, model, optimizer, step: int) -> None:
 def load_checkpoint(cfg: TrainConfig, model, optimizer) -> int:
     from torch.distributed.checkpoint.state_dict import set_state_dict
 
-    from fullshard.checkpoint import latest_step, load_into
+    from fullshard.torch.checkpoint import latest_step, load_into
 
     step = latest_step(Path(cfg.checkpoint_dir))
     if step is None:

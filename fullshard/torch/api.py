@@ -14,17 +14,17 @@ from torch.distributed.tensor import DTensor, Shard
 
 from fullshard.plan import ShardLayout
 from fullshard.plan.strategy import Strategy, lifecycle
-from fullshard.policies import (
+from fullshard.torch.policies import (
     CPUOffloadPolicy,
     MixedPrecisionPolicy,
     OffloadPolicy,
     as_mp_policy,
     as_offload_policy,
 )
-from fullshard.runtime import fsdp2_views
-from fullshard.runtime.group import ParamGroup
-from fullshard.runtime.param import ShardedParam
-from fullshard.runtime.state import ShardState
+from fullshard.torch import fsdp2_views
+from fullshard.torch.group import ParamGroup
+from fullshard.torch.param import ShardedParam
+from fullshard.torch.state import ShardState
 
 # Parameters already taken over by some fully_shard call (the originals and
 # their sharded replacements) carry this attribute: a parameter shared with a

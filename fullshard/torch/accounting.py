@@ -14,9 +14,9 @@ from typing import Optional
 import torch
 import torch.nn as nn
 
-from fullshard.buffers import comm_bytes
+from fullshard.torch.buffers import comm_bytes
 from fullshard.plan.strategy import peak_state_bytes, traffic_bytes_per_step
-from fullshard.runtime.collectives import traffic
+from fullshard.torch.collectives import traffic
 
 
 def reset_traffic() -> None:

@@ -26,12 +26,12 @@ from torch.autograd import Variable
 from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_flatten, tree_map
 
-from fullshard import buffers
+from fullshard.torch import buffers
 from fullshard.plan.strategy import Lifecycle, Strategy, lifecycle
-from fullshard.policies import MixedPrecisionPolicy
-from fullshard.runtime import checks
-from fullshard.runtime.collectives import PendingReduce
-from fullshard.runtime.group import GroupState, ParamGroup
+from fullshard.torch.policies import MixedPrecisionPolicy
+from fullshard.torch import checks
+from fullshard.torch.collectives import PendingReduce
+from fullshard.torch.group import GroupState, ParamGroup
 
 _active = threading.local()
 

@@ -16,8 +16,8 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DeviceMesh, DTensor, Replicate, Shard
 
-from fullshard import buffers
-from fullshard.buffers import Owned
+from fullshard.torch import buffers
+from fullshard.torch.buffers import Owned
 from fullshard.plan import ShardLayout, stores_padded_chunk
 
 

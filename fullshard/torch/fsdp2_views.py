@@ -17,7 +17,7 @@ import torch.nn as nn
 from torch.distributed._composable.contract import STATE_KEY
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
-from fullshard.runtime.state import ShardState
+from fullshard.torch.state import ShardState
 
 
 class _GroupView:

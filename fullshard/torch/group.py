@@ -16,13 +16,13 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from fullshard import buffers
-from fullshard.buffers import Owned
+from fullshard.torch import buffers
+from fullshard.torch.buffers import Owned
 from fullshard.plan import (
     Unsharded, choose_exchange, exchange_tag, plan_buckets, plan_gather, plan_reduce, wire_dtype,
 )
 from fullshard.plan.exchange import EXCHANGE_ENV
-from fullshard.runtime.collectives import (
+from fullshard.torch.collectives import (
     PendingGather,
     PendingReduce,
     all_reduce_in_place,
@@ -30,8 +30,8 @@ from fullshard.runtime.collectives import (
     pack_rank_chunks,
     reduce_bucket,
 )
-from fullshard.runtime import checks
-from fullshard.runtime.param import ShardedParam
+from fullshard.torch import checks
+from fullshard.torch.param import ShardedParam
 
 # Parameters whose per-rank chunk has fewer elements than this share one
 # collective (fusion); larger ones are gathered straight into their own storage.

@@ -14,17 +14,17 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from fullshard import buffers
-from fullshard.buffers import Borrowed, Owned
+from fullshard.torch import buffers
+from fullshard.torch.buffers import Borrowed, Owned
 from fullshard.plan import (
     BucketLayout, Exchange, GatherPlan, Ownership, ReducePlan, ShardedGrad, Unsharded, reduce_scratch_chunks,
 )
-from fullshard.runtime import exchange as transport
-from fullshard.runtime.param import ShardedParam
+from fullshard.torch import exchange as transport
+from fullshard.torch.param import ShardedParam
 
 # Payload bytes of every collective issued by this process, by kind (each
 # collective's full buffer: all-gather output, reduce-scatter input,
-# all-reduce buffer). Read and reset through fullshard.accounting.
+# all-reduce buffer). Read and reset through fullshard.torch.accounting.
 traffic: Counter = Counter()
 
 

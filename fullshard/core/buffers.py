@@ -1,6 +1,10 @@
-"""The one place that allocates, reclaims and writes communication storage.
+"""Ownership as a type, for every runtime: owned and borrowed buffers, the sanitizer, the byte meter.
 
-Ownership is a type here, not a comment:
+Framework-free: each runtime supplies only how to read and resize a tensor's
+storage (:class:`StorageOps`) and allocates through its own ``buffers`` module
+(``fullshard.torch.buffers``, ``fullshard.mindspore.buffers``), the one place
+per runtime that allocates, reclaims and writes communication storage.
+
 
 * :class:`Owned` wraps storage fullshard allocated. It may be written in place
   and reclaimed (its storage resized to 0) and regrown.
@@ -22,19 +26,25 @@ from __future__ import annotations
 
 import os
 import weakref
-from typing import Optional
-
-import torch
+from typing import Any, Optional, Protocol
 
 
 class OwnershipError(RuntimeError):
     """fullshard was about to free or write storage it does not own."""
 
 
-def _storage_key(tensor: torch.Tensor) -> int:
-    # The StorageImpl address: the same for every view of one storage and
-    # stable across resize_. Used only by the debug sanitizer, never to decide.
-    return tensor.untyped_storage()._cdata
+class StorageOps(Protocol):
+    """What a runtime tells the ownership types about a tensor's storage."""
+
+    def key(self, tensor: Any) -> int:
+        """The same for every view of one storage, stable across resizes. Read by the
+        debug sanitizer only, never to decide anything."""
+
+    def nbytes(self, tensor: Any) -> int:
+        """Bytes the storage holds now (0 once reclaimed)."""
+
+    def resize(self, tensor: Any, nbytes: int) -> None:
+        """Give the storage ``nbytes`` (0 frees it; every view of it becomes empty)."""
 
 
 class _Sanitizer:
@@ -43,8 +53,7 @@ class _Sanitizer:
         self.owned: dict[int, str] = {}
         self.borrowed: dict[int, list[str]] = {}
 
-    def on_owned(self, tensor: torch.Tensor, what: str) -> None:
-        key = _storage_key(tensor)
+    def on_owned(self, key: int, what: str) -> None:
         lenders = self.borrowed.get(key)
         if lenders:
             raise OwnershipError(
@@ -59,8 +68,7 @@ class _Sanitizer:
         if self.owned.get(key) == what:
             del self.owned[key]
 
-    def on_borrowed(self, tensor: torch.Tensor, what: str) -> int:
-        key = _storage_key(tensor)
+    def on_borrowed(self, key: int, what: str) -> int:
         self.borrowed.setdefault(key, []).append(what)
         return key
 
@@ -71,8 +79,7 @@ class _Sanitizer:
             if not lenders:
                 del self.borrowed[key]
 
-    def check_mutation(self, tensor: torch.Tensor, what: str, operation: str) -> None:
-        key = _storage_key(tensor)
+    def check_mutation(self, key: int, what: str, operation: str) -> None:
         if key not in self.owned:
             raise OwnershipError(
                 f"refusing to {operation} {what}: its storage was not allocated by fullshard. "
@@ -137,18 +144,20 @@ def reset_peak_comm_bytes() -> None:
 class Owned:
     """Storage fullshard allocated: it may write, reclaim and regrow it."""
 
-    __slots__ = ("tensor", "what", "working", "_nbytes", "_counted", "__weakref__")
+    __slots__ = ("tensor", "what", "working", "_ops", "_nbytes", "_counted", "__weakref__")
 
-    def __init__(self, tensor: torch.Tensor, what: str, working: bool = False) -> None:
+    def __init__(self, tensor: Any, what: str, ops: StorageOps, working: bool = False) -> None:
         self.tensor = tensor
         self.what = what
         self.working = working  # an unsharded parameter's storage, not a transient buffer
-        self._nbytes = tensor.untyped_storage().nbytes()
+        self._ops = ops
+        self._nbytes = ops.nbytes(tensor)
         self._counted = self._nbytes
         _ByteMeter.add(self._nbytes, working)
         if _SANITIZER.enabled:
-            _SANITIZER.on_owned(tensor, what)
-            weakref.finalize(self, _SANITIZER.on_disowned, _storage_key(tensor), what)
+            key = ops.key(tensor)
+            _SANITIZER.on_owned(key, what)
+            weakref.finalize(self, _SANITIZER.on_disowned, key, what)
 
     @property
     def nbytes(self) -> int:
@@ -156,40 +165,48 @@ class Owned:
 
     @property
     def is_reclaimed(self) -> bool:
-        return self.tensor.untyped_storage().nbytes() == 0
+        return self._ops.nbytes(self.tensor) == 0
 
-    def writable(self, operation: str) -> torch.Tensor:
-        """The tensor, for an in-place write (checked in debug mode)."""
+    def _check(self, operation: str) -> None:
         if _SANITIZER.enabled:
-            _SANITIZER.check_mutation(self.tensor, self.what, operation)
+            _SANITIZER.check_mutation(self._ops.key(self.tensor), self.what, operation)
+
+    def writable(self, operation: str) -> Any:
+        """The tensor, for an in-place write (checked in debug mode)."""
+        self._check(operation)
         return self.tensor
 
     def reclaim(self) -> None:
         """Free the storage now (every view of it becomes empty)."""
-        if _SANITIZER.enabled:
-            _SANITIZER.check_mutation(self.tensor, self.what, "free (resize to 0)")
-        self.tensor.untyped_storage().resize_(0)
+        self._check("free (resize to 0)")
+        self._ops.resize(self.tensor, 0)
         _ByteMeter.add(-self._counted, self.working)
         self._counted = 0
 
     def regrow(self) -> None:
         """Give reclaimed storage its bytes back (contents undefined)."""
-        if _SANITIZER.enabled:
-            _SANITIZER.check_mutation(self.tensor, self.what, "regrow")
-        storage = self.tensor.untyped_storage()
-        if storage.nbytes() != self._nbytes:
-            storage.resize_(self._nbytes)
+        self._check("regrow")
+        if self._ops.nbytes(self.tensor) != self._nbytes:
+            self._ops.resize(self.tensor, self._nbytes)
             _ByteMeter.add(self._nbytes - self._counted, self.working)
             self._counted = self._nbytes
 
-    def hand_off(self) -> torch.Tensor:
+    def hand_off(self) -> Any:
         """Give the storage away (e.g. as a ``.grad``): fullshard never frees it again."""
         if _SANITIZER.enabled:
-            _SANITIZER.on_disowned(_storage_key(self.tensor), self.what)
+            _SANITIZER.on_disowned(self._ops.key(self.tensor), self.what)
         _ByteMeter.add(-self._counted, self.working)
         self._counted = 0
         tensor, self.tensor = self.tensor, None
         return tensor
+
+    def drop(self) -> None:
+        """Let go without freeing: the storage goes with its last reference.
+
+        For storage that may not be idle (a transfer that failed may still be
+        writing into it): only storage known to be idle is resized.
+        """
+        self.hand_off()
 
     def __del__(self) -> None:
         # Dropped without reclaim: the storage goes with the last reference.
@@ -201,10 +218,10 @@ class Borrowed:
 
     __slots__ = ("tensor", "what", "_key")
 
-    def __init__(self, tensor: torch.Tensor, what: str) -> None:
+    def __init__(self, tensor: Any, what: str, ops: StorageOps) -> None:
         self.tensor = tensor
         self.what = what
-        self._key = _SANITIZER.on_borrowed(tensor, what) if _SANITIZER.enabled else None
+        self._key = _SANITIZER.on_borrowed(ops.key(tensor), what) if _SANITIZER.enabled else None
 
     def release(self) -> None:
         """Drop the reference: the only way fullshard lets go of borrowed storage."""
@@ -214,39 +231,17 @@ class Borrowed:
         self.tensor = None
 
 
-def allocate(
-    shape: tuple[int, ...] | int,
-    dtype: torch.dtype,
-    device: torch.device,
-    what: str,
-    working: bool = False,
-) -> Owned:
-    """A fresh owned buffer, contents undefined (``working``: it backs unsharded parameters)."""
-    return Owned(torch.empty(shape, dtype=dtype, device=device), what, working)
-
-
-def adopt(tensor: torch.Tensor, what: str, working: bool = False) -> Owned:
-    """Take ownership of the result of an allocating op (a cast to another dtype, a cat).
-
-    Callers reach here only on code paths the plan marks OWNED; the sanitizer
-    verifies the op really allocated.
-    """
-    return Owned(tensor, what, working)
-
-
-def borrow(tensor: torch.Tensor, what: str) -> Borrowed:
-    return Borrowed(tensor, what)
-
-
-def release_all(buffers: list[Optional[Owned | Borrowed]]) -> None:
+def release_all(buffers: list[Optional[Owned | Borrowed]], idle: bool = True) -> None:
     """Let go of transient buffers once their collective is done.
 
     Owned ones are reclaimed at once (the memory comes back even if a work
     handle still references the tensor); borrowed ones are only dropped.
+    ``idle=False`` (the collective failed, and may still be writing): owned
+    ones are only dropped too.
     """
     for buffer in buffers:
         if isinstance(buffer, Owned):
-            buffer.reclaim()
+            buffer.reclaim() if idle else buffer.drop()
         elif isinstance(buffer, Borrowed):
             buffer.release()
     buffers.clear()

@@ -1,0 +1,1 @@
+"""Framework-free runtime machinery both runtimes share (ownership types, byte and traffic meters)."""

@@ -1,1 +1,0 @@
-"""The PyTorch runtime: per-parameter state, communication groups, collectives and hooks."""
