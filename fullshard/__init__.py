@@ -9,9 +9,9 @@ __version__ = "0.1.0"
 
 _EXPORTS = {
     "fully_shard": "fullshard.torch.api",
-    "FSDPModule": "fullshard.torch.api",
-    "UnshardHandle": "fullshard.torch.api",
-    "register_fsdp_forward_method": "fullshard.torch.api",
+    "FSDPModule": "fullshard.torch.module",
+    "UnshardHandle": "fullshard.torch.module",
+    "register_fsdp_forward_method": "fullshard.torch.module",
     "MixedPrecisionPolicy": "fullshard.torch.policies",
     "OffloadPolicy": "fullshard.torch.policies",
     "CPUOffloadPolicy": "fullshard.torch.policies",

@@ -38,8 +38,6 @@ import gc
 import json
 import os
 import platform
-import resource
-import socket
 import statistics
 import sys
 import time
@@ -54,9 +52,11 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
+from fullshard.core.procs import free_port, peak_rss_bytes, reset_peak_rss
 from fullshard.models.gpt import GPT, GPTConfig
+from fullshard.train.models import count_units
 from fullshard.plan.exchange import DEFAULT_BACKENDS, EXCHANGE_ENV, gradient_wire_bytes
-from fullshard.plan.strategy import Strategy, bytes_sent_per_rank, traffic_bytes_per_step
+from fullshard.plan.strategy import Strategy, bytes_sent_per_rank, per_rank_theory
 
 MODELS = {
     "default": GPTConfig(vocab_size=8192, seq_len=128, d_model=384, n_layers=6, n_heads=6),
@@ -520,21 +520,6 @@ class CudaAllocations:
         pass
 
 
-def _reset_peak_rss() -> str:
-    """Restart the process's peak-RSS mark where Linux allows it; say what the figure covers."""
-    try:
-        with open("/proc/self/clear_refs", "w") as handle:
-            handle.write("5")
-        return "process peak RSS during this library's memory phase (mark reset through /proc/self/clear_refs)"
-    except OSError:
-        return "process peak RSS so far (ru_maxrss; this system cannot reset the mark)"
-
-
-def _peak_rss() -> int:
-    scale = 1 if sys.platform == "darwin" else 1024  # ru_maxrss is in KiB on Linux
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale
-
-
 def measure_memory(contender: Contender, config: Configuration, run: Run) -> tuple[Trainer, dict]:
     """Build this library's copy, take its warm-up steps, then measure one step; return the warm trainer.
 
@@ -543,7 +528,7 @@ def measure_memory(contender: Contender, config: Configuration, run: Run) -> tup
     from fullshard.torch import buffers
 
     gc.collect()
-    rss_method = _reset_peak_rss()
+    rss_method = reset_peak_rss()
     # fullshard's meter is process-wide: leave out what the copies built before this one hold.
     comm_base = buffers.comm_bytes()["live"]
     transient_base = buffers.comm_bytes()["transient_live"]
@@ -594,7 +579,7 @@ def measure_memory(contender: Contender, config: Configuration, run: Run) -> tup
         # without the unsharded parameters (which every FSDP holds): staging buffers only
         "transient_comm_peak_bytes": transient_peak,
         "comm_method": comm_method,
-        "rss_peak_bytes": _peak_rss(),
+        "rss_peak_bytes": peak_rss_bytes(),
         "rss_method": rss_method,
         "loss_step0": first_loss,
         "measured_step_s": elapsed,
@@ -611,7 +596,7 @@ def fit_rounds(step_seconds: list[float], budget_s: float, run: Run) -> int:
 
 def time_rounds(trainers: dict[str, Trainer], run: Run, rounds: int) -> dict[str, dict]:
     """Interleave the libraries step by step; return each one's times, bytes and losses on this rank."""
-    from fullshard.torch.collectives import traffic as fullshard_traffic
+    from fullshard.core.traffic import traffic as fullshard_traffic
 
     labels = list(trainers)
     results = {label: {"times": [], "bytes": [], "self_reported": [], "losses": []} for label in labels}
@@ -700,17 +685,12 @@ def _spread(values: list[float]) -> dict:
     return {"median": statistics.median(values), "min": min(values), "max": max(values)}
 
 
-def model_counts(cfg: GPTConfig) -> tuple[int, int]:
-    """(parameters, parameters outside the blocks): the root unit, gathered once per step."""
-    model = GPT(cfg)
-    total = sum(p.numel() for p in model.parameters())
-    return total, total - sum(p.numel() for block in model.layers for p in block.parameters())
+def model_counts(cfg: GPTConfig) -> dict[str, int]:
+    return count_units(GPT(cfg))
 
 
-def theory_bytes(contender: Contender, precision: str, run: Run, counts: tuple[int, int]) -> dict[str, float]:
-    num_params, root_params = counts
+def theory_bytes(contender: Contender, precision: str, run: Run, counts: dict[str, int]) -> dict[str, float]:
     bf16 = precision == "bf16" and contender.library != "ddp"
-    gather = 2 if bf16 else 4
     reduce = 4
     if contender.library == "fullshard":
         # on gloo fullshard sends bf16 gradients and sums them in fp32 (plan.exchange.wire_dtype)
@@ -719,9 +699,11 @@ def theory_bytes(contender: Contender, precision: str, run: Run, counts: tuple[i
             contender.theory is Strategy.NO_SHARD, dist.get_backend(), run.device.type, run.world, grads, "float32",
             os.environ.get(EXCHANGE_ENV),
         )
-    return traffic_bytes_per_step(
-        contender.theory, run.world, num_params, root_params=root_params, gather_bytes=gather, reduce_bytes=reduce
+    theory = per_rank_theory(
+        contender.theory, run.world, counts["num_params"], counts["largest_unit"], counts["root_params"],
+        compute_bytes=2 if bf16 else 4, reduce_bytes=reduce,
     )
+    return theory["traffic"]
 
 
 def _summarize_contender(contender: Contender, config: Configuration, ranks: list[dict], run: Run, counts) -> dict:
@@ -766,7 +748,7 @@ def summarize(ranks: list[list[dict]], run: Run, options: dict) -> dict:
     import fullshard
     from fullshard.torch.buffers import check_ownership_enabled
 
-    counts = num_params, root_params = model_counts(run.model)
+    counts = model_counts(run.model)
     configs = []
     for index, config in enumerate(_selected(options["configs"])):
         per_rank = [rank_results[index] for rank_results in ranks]
@@ -778,7 +760,7 @@ def summarize(ranks: list[list[dict]], run: Run, options: dict) -> dict:
     return {
         "meta": {
             "date": datetime.date.today().isoformat(),
-            "host": socket.gethostname(),
+            "host": platform.node(),
             "command": options["command"],
             "device": options["device"],
             "device_name": torch.cuda.get_device_name(run.device) if run.device.type == "cuda" else platform.processor() or platform.machine(),
@@ -790,8 +772,8 @@ def summarize(ranks: list[list[dict]], run: Run, options: dict) -> dict:
             "fullshard_ownership_sanitizer": check_ownership_enabled(),
             "model": options["model"],
             "model_config": asdict(run.model),
-            "num_params": num_params,
-            "root_params": root_params,
+            "num_params": counts["num_params"],
+            "root_params": counts["root_params"],
             "batch_per_rank": run.batch_size,
             "rounds": options["rounds"] or f"fit to {options['budget']:g} s per configuration, {MIN_ROUNDS} to {MAX_ROUNDS}",
             "optimizer": "AdamW(lr=3e-4, weight_decay=0.1), torch defaults otherwise",
@@ -967,18 +949,12 @@ def _options(args: argparse.Namespace, argv: list[str]) -> dict:
     }
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def main(argv: Optional[list[str]] = None) -> int:
     from torch.multiprocessing.spawn import ProcessException
 
     argv = sys.argv[1:] if argv is None else argv
     options = _options(_parser().parse_args(argv), argv)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     os.environ.setdefault("OMP_NUM_THREADS", str(options["threads"]))
     rounds = options["rounds"] or f"up to {options['budget']:g} s of"
     print(f"fullshard.bench: {options['nproc']} processes, model {options['model']}, {rounds} timed rounds "

@@ -13,13 +13,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import sys
 import uuid
 from dataclasses import asdict
 from pathlib import Path
 from typing import Optional
 
+from fullshard.core.procs import free_port
 from fullshard.plan.strategy import Strategy
 
 STRATEGIES = [s.value for s in Strategy]
@@ -123,12 +123,6 @@ def _train_config(args):
     )
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _launch(cfg, nproc: int) -> list[dict]:
     """Start ``nproc`` local workers with torch's elastic launcher; return every rank's result."""
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
@@ -137,7 +131,7 @@ def _launch(cfg, nproc: int) -> list[dict]:
 
     config = LaunchConfig(
         min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=f"fullshard-{uuid.uuid4().hex[:8]}",
-        rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{_free_port()}", max_restarts=0, monitor_interval=0.5,
+        rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{free_port()}", max_restarts=0, monitor_interval=0.5,
         start_method="spawn",
     )
     os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -194,7 +188,7 @@ def train(args) -> int:
 
 def estimate(args) -> int:
     from fullshard.plan.exchange import DEFAULT_BACKENDS, EXCHANGE_ENV, gradient_wire_bytes
-    from fullshard.plan.strategy import peak_state_bytes, traffic_bytes_per_step
+    from fullshard.plan.strategy import per_rank_theory
 
     _check_common(args)
     if args.device not in ("cpu", "cuda"):
@@ -202,21 +196,22 @@ def estimate(args) -> int:
     if args.optimizer not in ("adamw", "sgd"):
         raise UsageError(f"unknown --optimizer {args.optimizer!r}; choose adamw or sgd")
     if args.params:
-        num_params = int(args.params)
+        num_params, root = int(args.params), 0
         largest = int(args.largest_unit) if args.largest_unit else max(1, num_params // 32)
     else:
         units = _count_model(args)
-        num_params, largest = units["num_params"], units["largest_unit"]
+        num_params, largest, root = units["num_params"], units["largest_unit"], units["root_params"]
     strategy = Strategy.parse(args.strategy)
     compute = 2 if args.mixed_precision == "bf16" else 4
     optim = 8 if args.optimizer == "adamw" else 0
-    memory = peak_state_bytes(strategy, args.nproc, num_params, largest, 4, 4, optim, compute_bytes=compute)
     grads = "bfloat16" if args.mixed_precision == "bf16" else "float32"
     reduce = gradient_wire_bytes(
         strategy is Strategy.NO_SHARD, DEFAULT_BACKENDS[args.device], args.device, args.nproc, grads, "float32",
         os.environ.get(EXCHANGE_ENV),
     )
-    traffic = traffic_bytes_per_step(strategy, args.nproc, num_params, gather_bytes=compute, reduce_bytes=reduce)
+    theory = per_rank_theory(strategy, args.nproc, num_params, largest, root, optim_bytes=optim,
+                             compute_bytes=compute, reduce_bytes=reduce)
+    memory, traffic = theory["memory"], theory["traffic"]
     print(f"{num_params / 1e9:.3f}B parameters, {args.nproc} ranks, {strategy.value}, {args.mixed_precision}, {args.optimizer}")
     print("per rank:")
     for key in ("params", "grads", "optim", "unsharded", "total"):

@@ -11,26 +11,21 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
+from fullshard.core.procs import free_port
+
 ROOT = Path(__file__).resolve().parent.parent
 COLLECTIVE_TIMEOUT_S = 60
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_suite(target: str, world_size: int, timeout: float = 600, env: dict | None = None) -> dict[str, list[dict]]:
     """Run suite ``target`` on ``world_size`` gloo ranks; return per-scenario, per-rank results."""
-    port = _free_port()
+    port = free_port()
     with tempfile.TemporaryDirectory() as out:
         procs = []
         for rank in range(world_size):

@@ -26,7 +26,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.debug import CommDebugMode
 from torch.utils._pytree import tree_map
 
-import fullshard.torch.collectives as collectives
+import fullshard.core.traffic as traffic_meter
 from fullshard import FSDPModule
 from fullshard.torch.checkpoint import load_checkpoint, load_into, latest_step, save_atomic, step_dir
 from fullshard.models.gpt import GPT, GPTConfig
@@ -170,11 +170,11 @@ def raises(fn: Callable[[], Any], error: type, *fragments: str) -> str:
 
 # ---------------------------------------------------------------------- 1. model.state_dict()
 def _check_state_dict(model: GPT, ref: GPT, placement_of: Callable[[torch.Tensor], Any], where: str) -> None:
-    traffic = dict(collectives.traffic)
+    traffic = dict(traffic_meter.traffic)
     with CommDebugMode() as comm:
         sd = model.state_dict()
     assert comm.get_total_counts() == 0, f"{where}: state_dict() communicated: {comm.get_comm_counts()}"
-    assert dict(collectives.traffic) == traffic, f"{where}: state_dict() moved bytes through fullshard"
+    assert dict(traffic_meter.traffic) == traffic, f"{where}: state_dict() moved bytes through fullshard"
     ref_sd = ref.state_dict()
     assert list(sd) == list(ref_sd), f"{where}: keys {list(sd)}"
     for key, value in sd.items():

@@ -14,7 +14,7 @@ import torch.nn as nn
 from torch.distributed.fsdp import MixedPrecisionPolicy as TorchMixedPrecisionPolicy
 from torch.distributed.tensor import DTensor, Shard
 
-import fullshard.torch.group as group_module
+import fullshard.torch.group_plan as group_module
 from fullshard import FSDPModule, MixedPrecisionPolicy, fully_shard
 from tests.parity import TorchLayersLM, build_gpt, mesh_1d, run_parity, shard_blocks_then_root
 
@@ -245,6 +245,7 @@ def no_sync_and_reshard_after_backward_controls():
     mesh = mesh_1d()
     model = shard_blocks_then_root(build_gpt(), mesh=mesh)
     tokens = torch.randint(0, 64, (2, 16))
+    sharded = list(model.parameters())
     model.set_reshard_after_backward(False)
     reset_traffic()
     with model.no_sync():
@@ -256,12 +257,16 @@ def no_sync_and_reshard_after_backward_controls():
     second = traffic_bytes()
     assert first["reduce_scatter"] == second["reduce_scatter"] == 0, (first, second)
     # the second forward finds every unit still gathered; only backward re-gathers what forward resharded
-    full_bytes = sum(p.numel() * 4 for p in model.parameters())
+    full_bytes = sum(p.numel() * 4 for p in sharded)
     assert second["all_gather"] == first["all_gather"] - full_bytes, (first, second)
-    assert all(p.grad is None for p in model.parameters())
+    assert all(p.grad is None for p in sharded)
+    # As in FSDP2, kept unsharded parameters are what the modules show, with the unreduced gradients.
+    assert not any(isinstance(p, DTensor) for p in model.parameters())
+    assert all(p.grad is not None for p in model.parameters())
     model.set_reshard_after_backward(True)
     model(tokens).sum().backward()  # synced: the sum of three micro-batches
-    assert all(p.grad is not None for p in model.parameters())
+    assert all(p.grad is not None for p in sharded)
+    assert [id(p) for p in model.parameters()] == [id(p) for p in sharded]
     return {"first": first, "second": second}
 
 
@@ -271,7 +276,7 @@ def implicit_prefetch_in_forward_and_backward():
     Backward starts in the root (the head, after the last block in forward),
     so the root prefetches the last block, not the first.
     """
-    from fullshard.torch.group import GroupState
+    from fullshard.torch.unshard import GroupState
 
     mesh = mesh_1d()
     model = shard_blocks_then_root(build_gpt(), mesh=mesh)
@@ -377,5 +382,5 @@ def forward_method_registration():
     register_fsdp_forward_method(model, "generate")
     start = torch.randint(0, 64, (1, 4))
     assert torch.equal(model.generate(start, 3), reference.generate(start, 3))
-    assert isinstance(model.gpt.wte.weight, DTensor)  # sharded again afterwards
+    assert isinstance(model.gpt.wte.weight, DTensor)  # no backward to come: sharded again afterwards
     return True

@@ -8,7 +8,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-import fullshard.torch.group as group_module
+import fullshard.torch.group_plan as group_module
 from fullshard import FSDPModule, MixedPrecisionPolicy, fully_shard
 from fullshard.models.gpt import GPT, GPTConfig
 from tests.parity import build_gpt, mesh_1d, run_parity, shard_blocks_then_root
@@ -84,11 +84,14 @@ def bad_policies():
     return messages
 
 
-def ignored_params_not_in_module():
-    model, stranger = nn.Linear(4, 4), nn.Parameter(torch.zeros(3))
-    message = _raises("not parameters of the module", fully_shard, model, mesh=mesh_1d(), ignored_params={stranger})
-    _unchanged(model, nn.Linear)
-    return message
+def ignored_params_of_other_modules_are_accepted():
+    """One ignored set for a whole model (DDP on A and C, fully_shard on B), as FSDP2 accepts it."""
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 2))
+    others = set(model[0].parameters()) | set(model[2].parameters())
+    fully_shard(model[1], mesh=mesh_1d(), ignored_params=others)
+    assert all(isinstance(p, DTensor) for p in model[1].parameters())
+    assert not any(isinstance(p, DTensor) for p in others)
+    return True
 
 
 def ignored_params_stay_local():
@@ -150,7 +153,7 @@ def ranks_with_different_exchanges_fail_at_first_step():
 def suite():
     return {fn.__name__: fn for fn in [
         twice_on_one_module, child_after_parent, module_without_parameters_is_allowed, mesh_of_wrong_dimension,
-        bad_shard_placement_fn, bad_policies, ignored_params_not_in_module, ignored_params_stay_local,
+        bad_shard_placement_fn, bad_policies, ignored_params_of_other_modules_are_accepted, ignored_params_stay_local,
         frozen_mixed_with_trainable_works, ranks_with_different_models_fail_at_first_step,
         ranks_with_different_exchanges_fail_at_first_step,
     ] + SUITE_EXTRA}

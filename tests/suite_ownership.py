@@ -15,7 +15,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import Shard
 
-import fullshard.torch.group as group_module
+import fullshard.torch.group_plan as group_module
 from fullshard import MixedPrecisionPolicy, fully_shard
 from fullshard.torch import buffers
 from fullshard.torch.param import ShardedParam

@@ -11,7 +11,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from fullshard import MixedPrecisionPolicy
 from fullshard.plan.strategy import Strategy
-from fullshard.torch.collectives import traffic
+from fullshard.core.traffic import traffic
 from tests.parity import build_gpt, gpt_batch, gpt_loss, mesh_1d, run_parity, shard_blocks_then_root
 
 PRECISIONS = {

@@ -67,3 +67,37 @@ def test_handed_off_storage_is_no_longer_fullshards():
     before = buffers.live_owned_buffers()
     grad = owned.hand_off()
     assert buffers.live_owned_buffers() == before - 1 and grad.numel() == 4
+
+
+class _Work:
+    def __init__(self, fails: bool) -> None:
+        self.fails = fails
+
+    def wait(self) -> None:
+        if self.fails:
+            raise RuntimeError("peer died")
+
+
+@pytest.mark.parametrize("fails", [True, False])
+def test_abandoned_reduction_frees_only_idle_buffers(fails):
+    """After a collective's wait() raised, a backend thread may still write into its buffers: they
+    are dropped (the storage goes with its last reference), never resized. Idle ones are reclaimed."""
+    from fullshard.torch.collectives import PendingReduce
+
+    before = buffers.comm_bytes()["live"]
+    output = buffers.allocate(8, torch.float32, torch.device("cpu"), "reduce-scatter output")
+    scratch = buffers.allocate(8, torch.float32, torch.device("cpu"), "receive buffer")
+    still_referenced = [output.tensor, scratch.tensor]  # what a backend thread would still hold
+    pending = PendingReduce(_Work(fails), [scratch], output, None, None, [], [], 1.0, "[w] of module 'm'")
+    pending.abandon()
+    sizes = [t.untyped_storage().nbytes() for t in still_referenced]
+    assert sizes == ([32, 32] if fails else [0, 0])
+    assert buffers.comm_bytes()["live"] == before
+
+
+def test_offload_copy_blocks_when_it_is_summed_at_once():
+    from fullshard.plan import grad_copy_may_be_async
+
+    assert grad_copy_may_be_async(pinned=True, accumulates=False)
+    assert not grad_copy_may_be_async(pinned=True, accumulates=True)
+    assert not grad_copy_may_be_async(pinned=False, accumulates=False)

@@ -4,13 +4,14 @@ import subprocess
 import sys
 import time
 
-from tests.harness import ROOT, _free_port
+from fullshard.core.procs import free_port
+from tests.harness import ROOT
 
 TIMEOUT_S = 20
 
 
 def test_survivor_exits_nonzero_naming_the_collective_and_module():
-    port = _free_port()
+    port = free_port()
     procs = []
     for rank in range(2):
         env = dict(os.environ, RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),

@@ -29,7 +29,7 @@ from fullshard.plan import (
     wire_dtype,
 )
 from fullshard.plan.exchange import DTYPE_BYTES, MAX_PAIRWISE_RANKS, backend_for_device, gradient_wire_bytes
-from fullshard.plan.strategy import Strategy, bytes_sent_per_rank, traffic_bytes_per_step
+from fullshard.plan.strategy import Strategy, bytes_sent_per_rank, peak_state_bytes, per_rank_theory, traffic_bytes_per_step
 
 shapes = st.lists(st.integers(0, 9), min_size=1, max_size=4).map(tuple)
 
@@ -274,6 +274,33 @@ def test_exchange_override_wins_and_bad_values_name_the_variable():
     # NCCL runs a pair's messages in issue order and has no tags: pairwise there would hang
     with pytest.raises(ValueError, match="FULLSHARD_EXCHANGE=pairwise needs CPU tensors on a gloo"):
         choose_exchange("nccl", "cuda", 2, override="pairwise")
+
+
+@pytest.mark.parametrize("backend, device, override", [
+    ("gloo", "cpu", None), ("nccl", "cuda", None), ("gloo", "cpu", "pairwise"), ("gloo", "cpu", "collective"),
+])
+def test_a_group_of_one_exchanges_nothing_whatever_is_asked(backend, device, override):
+    assert choose_exchange(backend, device, 1, override=override) is Exchange.LOCAL
+    with pytest.raises(ValueError, match="FULLSHARD_EXCHANGE='local'"):
+        choose_exchange(backend, device, 1, override="local")  # not a choice: it follows from the group
+
+
+def test_local_exchange_packs_into_the_output_and_keeps_narrow_gradients():
+    layout = ShardLayout((8, 4), 0, 1)
+    fused = plan_buckets([layout, layout], 1 << 20)[0]
+    assert plan_gather(fused, (layout, layout), False, exchange=Exchange.LOCAL).packs_into_output
+    assert wire_dtype(Exchange.LOCAL, "bfloat16", "float32") == "bfloat16"  # cast once, into the output
+
+
+def test_per_rank_theory_is_the_formulas_together():
+    theory = per_rank_theory(Strategy.OPTIM_GRADS_PARAMS, 4, 1000, 300, 100, compute_bytes=2, reduce_bytes=4,
+                             micro_batches=3)
+    assert theory["memory"] == peak_state_bytes(Strategy.OPTIM_GRADS_PARAMS, 4, 1000, 300, 4, 4, 8, 2)
+    traffic = traffic_bytes_per_step(Strategy.OPTIM_GRADS_PARAMS, 4, 1000, 100, 2, 4)
+    assert theory["traffic"] == {**traffic, "all_gather": 3 * traffic["all_gather"]}  # gathered per micro-batch
+    assert theory["sent"] == bytes_sent_per_rank(theory["traffic"], 4)
+    zero2 = per_rank_theory(Strategy.OPTIM_GRADS, 4, 1000, 300, micro_batches=3)
+    assert zero2["traffic"]["all_gather"] == 4000  # kept across micro-batches: gathered once
 
 
 def test_pairwise_reduce_scatter_scratch():

@@ -37,8 +37,10 @@ class StorageOps(Protocol):
     """What a runtime tells the ownership types about a tensor's storage."""
 
     def key(self, tensor: Any) -> int:
-        """The same for every view of one storage, stable across resizes. Read by the
-        debug sanitizer only, never to decide anything."""
+        """The same for every view of one live storage. Read by the debug sanitizer only, never to
+        decide anything. It may change when the storage is freed and regrown (an address), and a
+        freed key may be reused at once by another allocation: owned keys are registered only while
+        their storage holds bytes."""
 
     def nbytes(self, tensor: Any) -> int:
         """Bytes the storage holds now (0 once reclaimed)."""
@@ -48,25 +50,44 @@ class StorageOps(Protocol):
 
 
 class _Sanitizer:
+    """Which live storages fullshard owns and which it borrows, by storage key.
+
+    Each owned buffer registers under a token of its own (its identity), so
+    only that buffer's free or death removes its entry, whatever address
+    another buffer is given later.
+    """
+
     def __init__(self) -> None:
         self.enabled = os.environ.get("FULLSHARD_CHECK_OWNERSHIP", "0") not in ("", "0")
-        self.owned: dict[int, str] = {}
+        self.owned: dict[int, tuple[int, str]] = {}  # storage key -> (token, what)
+        self.keys: dict[int, Optional[int]] = {}  # token -> its storage key (None while reclaimed)
         self.borrowed: dict[int, list[str]] = {}
 
-    def on_owned(self, key: int, what: str) -> None:
-        lenders = self.borrowed.get(key)
-        if lenders:
-            raise OwnershipError(
-                f"{what}: an allocating operation returned storage that fullshard only "
-                f"borrows (from {lenders[0]}); it would later be freed or written as if owned. "
-                "This is the seed's bug class: a same-dtype conversion or reshape aliasing "
-                "the caller's tensor. The ownership plan must mark this path BORROWED."
-            )
-        self.owned[key] = what
+    def on_owned(self, token: int, key: Optional[int], what: str) -> None:
+        """A buffer came to hold bytes (allocated, adopted, regrown); ``key`` None: it holds none."""
+        if key is not None:
+            lenders = self.borrowed.get(key)
+            if lenders:
+                raise OwnershipError(
+                    f"{what}: an allocating operation returned storage that fullshard only "
+                    f"borrows (from {lenders[0]}); it would later be freed or written as if owned. "
+                    "This is the seed's bug class: a same-dtype conversion or reshape aliasing "
+                    "the caller's tensor. The ownership plan must mark this path BORROWED."
+                )
+            self.owned[key] = (token, what)
+        self.keys[token] = key
 
-    def on_disowned(self, key: int, what: str) -> None:
-        if self.owned.get(key) == what:
+    def on_emptied(self, token: int) -> None:
+        """The buffer's storage was freed: its key may now be another allocation's."""
+        key = self.keys.get(token)
+        if key is not None and self.owned.get(key, (None,))[0] == token:
             del self.owned[key]
+        if token in self.keys:
+            self.keys[token] = None
+
+    def on_disowned(self, token: int) -> None:
+        self.on_emptied(token)
+        self.keys.pop(token, None)
 
     def on_borrowed(self, key: int, what: str) -> int:
         self.borrowed.setdefault(key, []).append(what)
@@ -79,14 +100,14 @@ class _Sanitizer:
             if not lenders:
                 del self.borrowed[key]
 
-    def check_mutation(self, key: int, what: str, operation: str) -> None:
-        if key not in self.owned:
+    def check_mutation(self, token: int, key: Optional[int], what: str, operation: str) -> None:
+        if token not in self.keys:
             raise OwnershipError(
                 f"refusing to {operation} {what}: its storage was not allocated by fullshard. "
                 "Only owned buffers may be resized or written in place; release borrowed "
                 "ones by dropping the reference."
             )
-        lenders = self.borrowed.get(key)
+        lenders = self.borrowed.get(key) if key is not None else None
         if lenders:
             raise OwnershipError(
                 f"refusing to {operation} {what}: its storage is also borrowed from "
@@ -107,7 +128,7 @@ def check_ownership_enabled() -> bool:
 
 
 def live_owned_buffers() -> int:
-    """Owned storages currently registered (meaningful with the sanitizer on)."""
+    """Owned storages holding bytes now (meaningful with the sanitizer on)."""
     return len(_SANITIZER.owned)
 
 
@@ -155,9 +176,11 @@ class Owned:
         self._counted = self._nbytes
         _ByteMeter.add(self._nbytes, working)
         if _SANITIZER.enabled:
-            key = ops.key(tensor)
-            _SANITIZER.on_owned(key, what)
-            weakref.finalize(self, _SANITIZER.on_disowned, key, what)
+            _SANITIZER.on_owned(id(self), self._live_key(), what)
+            weakref.finalize(self, _SANITIZER.on_disowned, id(self))
+
+    def _live_key(self) -> Optional[int]:
+        return self._ops.key(self.tensor) if self._ops.nbytes(self.tensor) else None
 
     @property
     def nbytes(self) -> int:
@@ -169,7 +192,7 @@ class Owned:
 
     def _check(self, operation: str) -> None:
         if _SANITIZER.enabled:
-            _SANITIZER.check_mutation(self._ops.key(self.tensor), self.what, operation)
+            _SANITIZER.check_mutation(id(self), self._live_key(), self.what, operation)
 
     def writable(self, operation: str) -> Any:
         """The tensor, for an in-place write (checked in debug mode)."""
@@ -180,6 +203,8 @@ class Owned:
         """Free the storage now (every view of it becomes empty)."""
         self._check("free (resize to 0)")
         self._ops.resize(self.tensor, 0)
+        if _SANITIZER.enabled:
+            _SANITIZER.on_emptied(id(self))
         _ByteMeter.add(-self._counted, self.working)
         self._counted = 0
 
@@ -188,13 +213,15 @@ class Owned:
         self._check("regrow")
         if self._ops.nbytes(self.tensor) != self._nbytes:
             self._ops.resize(self.tensor, self._nbytes)
+            if _SANITIZER.enabled:
+                _SANITIZER.on_owned(id(self), self._live_key(), self.what)
             _ByteMeter.add(self._nbytes - self._counted, self.working)
             self._counted = self._nbytes
 
     def hand_off(self) -> Any:
         """Give the storage away (e.g. as a ``.grad``): fullshard never frees it again."""
         if _SANITIZER.enabled:
-            _SANITIZER.on_disowned(self._ops.key(self.tensor), self.what)
+            _SANITIZER.on_disowned(id(self))
         _ByteMeter.add(-self._counted, self.working)
         self._counted = 0
         tensor, self.tensor = self.tensor, None

@@ -6,6 +6,8 @@ per rank); they differ in who does the work:
 * COLLECTIVE: the backend's all-gather / reduce-scatter. Right for NCCL (and
   any accelerator backend), whose kernels are bandwidth-optimal and run off the
   compute stream.
+* LOCAL: a group of one rank. Nothing travels; the "exchange" is this rank's
+  own copy (cast, padding dropped), and no collective is issued.
 * PAIRWISE: every rank sends each peer the chunk it needs (point-to-point) and
   sums what it receives itself. On gloo (CPU) this is what pays: measured on 2
   processes, gloo's reduce-scatter of 28 MB costs ~43 ms of CPU per rank
@@ -42,6 +44,7 @@ MAX_PAIRWISE_RANKS = 8
 class Exchange(enum.Enum):
     COLLECTIVE = "collective"
     PAIRWISE = "pairwise"
+    LOCAL = "local"
 
 
 def backend_for_device(backend: str, device_type: str) -> str:
@@ -60,24 +63,31 @@ DEFAULT_BACKENDS = {"cpu": "gloo", "cuda": "nccl"}
 
 
 def choose_exchange(backend: str, device_type: str, group_size: int, override: Optional[str] = None) -> Exchange:
-    """PAIRWISE for CPU tensors on gloo groups of up to MAX_PAIRWISE_RANKS, else COLLECTIVE; ``override`` wins.
+    """LOCAL for a group of one; PAIRWISE for CPU tensors on gloo groups of up to MAX_PAIRWISE_RANKS, else
+    COLLECTIVE; ``override`` chooses between the last two.
 
     Pairwise needs gloo's point-to-point semantics (sends and receives posted
     in any order, matched by tag); NCCL runs a pair's messages in issue order
     and ignores tags, so forcing it there is refused rather than left to hang.
+    With one rank there is nothing to exchange, whatever the override says.
     """
     on_gloo_cpu = device_type == "cpu" and backend_for_device(backend, device_type) == "gloo"
     if override:
         try:
             chosen = Exchange(override.strip().lower())
+            if chosen is Exchange.LOCAL:
+                raise ValueError(chosen)
         except ValueError:
-            choices = " or ".join(repr(e.value) for e in Exchange)
+            choices = " or ".join(repr(e.value) for e in (Exchange.COLLECTIVE, Exchange.PAIRWISE))
             raise ValueError(f"{EXCHANGE_ENV}={override!r} is not an exchange; set it to {choices}, or unset it") from None
         if chosen is Exchange.PAIRWISE and not on_gloo_cpu:
             raise ValueError(
                 f"{EXCHANGE_ENV}=pairwise needs CPU tensors on a gloo process group (here: {device_type} tensors "
                 f"on {backend!r}); unset it or set it to 'collective'"
             )
+    if group_size == 1:
+        return Exchange.LOCAL
+    if override:
         return chosen
     return Exchange.PAIRWISE if on_gloo_cpu and group_size <= MAX_PAIRWISE_RANKS else Exchange.COLLECTIVE
 
@@ -93,11 +103,11 @@ _CONVERTS_EXACTLY_INTO = {
 def wire_dtype(exchange: Exchange, grad_dtype: str, reduce_dtype: str) -> str:
     """The dtype gradients travel in for a reduce-scatter summed in ``reduce_dtype`` (dtype names, "bfloat16").
 
-    Pairwise: the gradient's own dtype when it converts exactly into the reduce
-    dtype (the receiver widens and sums); otherwise, and for the backend's
-    collective, the reduce dtype (cast before sending).
+    Pairwise (and local): the gradient's own dtype when it converts exactly
+    into the reduce dtype (the receiver widens and sums); otherwise, and for
+    the backend's collective, the reduce dtype (cast before sending).
     """
-    if exchange is Exchange.PAIRWISE and reduce_dtype in _CONVERTS_EXACTLY_INTO.get(grad_dtype, ()):
+    if exchange is not Exchange.COLLECTIVE and reduce_dtype in _CONVERTS_EXACTLY_INTO.get(grad_dtype, ()):
         return grad_dtype
     return reduce_dtype
 

@@ -90,8 +90,8 @@ def plan_gather(
     The input is borrowed (the parameter's own padded storage, read-only)
     when one parameter travels alone as stored; any conversion (``cast_needed``:
     another dtype, or another device when the shards are offloaded) or fusion
-    needs an owned input: with the pairwise exchange that is this rank's chunk
-    of the output itself, otherwise a buffer of its own. The output is always
+    needs an owned input: with the pairwise or local exchange that is this
+    rank's chunk of the output itself, otherwise a buffer of its own. The output is always
     allocated by fullshard. A lone parameter with a prefix layout is used as a
     view of that output; everything else is copied out of it into storage of
     its own.
@@ -104,7 +104,7 @@ def plan_gather(
         input=Ownership.BORROWED if borrow_input else Ownership.OWNED,
         output=Ownership.OWNED,
         unsharded=Unsharded.VIEW_OF_OUTPUT if view_output else Unsharded.OWN_STORAGE,
-        packs_into_output=not borrow_input and exchange is Exchange.PAIRWISE,
+        packs_into_output=not borrow_input and exchange in (Exchange.PAIRWISE, Exchange.LOCAL),
     )
 
 
@@ -161,3 +161,13 @@ def plan_reduce(
         output=Ownership.OWNED,
         sharded_grad=ShardedGrad.VIEW_OF_OUTPUT if view_grad else ShardedGrad.COPY,
     )
+
+
+def grad_copy_may_be_async(pinned: bool, accumulates: bool) -> bool:
+    """Whether a reduced gradient may be copied to pinned host memory without blocking (CPU offload).
+
+    The copy completes later, on the device's stream; only the end of backward
+    waits for it. A copy that is summed into an existing gradient right away
+    (accumulation across backward passes) must have landed first, so it blocks.
+    """
+    return pinned and not accumulates

@@ -132,3 +132,32 @@ def bytes_sent_per_rank(payload: dict[str, float], world: int) -> float:
     return share * (payload.get("all_gather", 0.0) + payload.get("reduce_scatter", 0.0)) + 2 * share * payload.get(
         "all_reduce", 0.0
     )
+
+
+def per_rank_theory(
+    strategy: Strategy,
+    world: int,
+    num_params: int,
+    largest_unit: int,
+    root_params: int = 0,
+    *,
+    param_bytes: int = 4,
+    optim_bytes: int = 8,
+    compute_bytes: Optional[int] = None,
+    reduce_bytes: int = 4,
+    micro_batches: int = 1,
+) -> dict[str, object]:
+    """What a rank holds and moves per step, the one place every report takes the ZeRO figures from.
+
+    ``memory``: :func:`peak_state_bytes` (gradients in the parameters' dtype);
+    ``traffic``: :func:`traffic_bytes_per_step`, where ZeRO-3 gathers again for
+    every micro-batch while gradients are reduced once per step; ``sent``:
+    :func:`bytes_sent_per_rank` of that traffic. ``largest_unit`` counts the
+    root's own parameters as a unit too.
+    """
+    compute = param_bytes if compute_bytes is None else compute_bytes
+    memory = peak_state_bytes(strategy, world, num_params, largest_unit, param_bytes, param_bytes, optim_bytes, compute)
+    traffic = traffic_bytes_per_step(strategy, world, num_params, root_params, compute, reduce_bytes)
+    if strategy is Strategy.OPTIM_GRADS_PARAMS:
+        traffic["all_gather"] *= micro_batches
+    return {"memory": memory, "traffic": traffic, "sent": bytes_sent_per_rank(traffic, world)}

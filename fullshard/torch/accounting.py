@@ -14,18 +14,9 @@ from typing import Optional
 import torch
 import torch.nn as nn
 
+from fullshard.core.traffic import reset_traffic, traffic_bytes
+from fullshard.plan.strategy import per_rank_theory
 from fullshard.torch.buffers import comm_bytes
-from fullshard.plan.strategy import peak_state_bytes, traffic_bytes_per_step
-from fullshard.torch.collectives import traffic
-
-
-def reset_traffic() -> None:
-    """Start counting collective bytes afresh (e.g. at the start of a step)."""
-    traffic.clear()
-
-
-def traffic_bytes() -> dict[str, int]:
-    return {kind: traffic.get(kind, 0) for kind in ("all_gather", "reduce_scatter", "all_reduce")}
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
@@ -56,7 +47,13 @@ def _states(model: nn.Module):
 def memory_report(model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None) -> dict:
     """Bytes this rank holds and moved, with the theoretical figures for the model's strategy."""
     states = list(_states(model))
-    params = list(model.parameters())
+    managed = [p for s in states if s.group is not None for p in s.group.params]
+    # The sharded parameters, whatever the modules show right now (after a forward that did not
+    # reshard they show the unsharded ones, as FSDP2's do), and the parameters fullshard leaves alone.
+    shown = {id(p.unsharded) for p in managed if p.unsharded is not None}
+    params = [p.sharded for p in managed] + [
+        p for p in model.parameters() if id(p) not in shown and not getattr(p, "_fullshard_managed", False)
+    ]
     unsharded_grads = [
         p.unsharded.grad for s in states if s.group is not None for p in s.group.params
         if p.unsharded is not None and p.unsharded.grad is not None
@@ -81,22 +78,20 @@ def memory_report(model: nn.Module, optimizer: Optional[torch.optim.Optimizer] =
         largest = max(sum(p.layout.numel for p in s.group.params) for s in states if s.group is not None)
         root = next((s for s in states if s.is_root), states[0])
         root_params = sum(p.layout.numel for p in root.group.params) if root.group is not None else 0
-        sample = states[0].group.params[0]
+        group = states[0].group
+        sample = group.params[0]
         param_bytes = torch.empty((), dtype=sample.stored_dtype).element_size()
         compute_bytes = torch.empty((), dtype=sample.compute_dtype).element_size()
         optim_bytes = 2 * param_bytes if isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)) else 0
         report["strategy"] = strategy.value
-        report["theory"] = {
-            "memory": peak_state_bytes(
-                strategy, world, num_params, largest, param_bytes, param_bytes, optim_bytes, compute_bytes
-            ),
-            "traffic": traffic_bytes_per_step(
-                strategy, world, num_params, root_params, compute_bytes,
-                # what gradients travel in: the reduce dtype, or narrower on the pairwise exchange
-                torch.empty((), dtype=states[0].group.gradient_wire_dtype(
-                    sample.compute_dtype, states[0].group.reduce_dtype(sample))).element_size(),
-            ),
-        }
+        # what gradients travel in: the reduce dtype, or narrower on the pairwise exchange
+        wire = group.plan.gradient_wire_dtype(sample.compute_dtype, group.plan.reduce_dtype(sample),
+                                              group.reducer.all_reduce, group.reducer.accumulated_without_sync)
+        theory = per_rank_theory(
+            strategy, world, num_params, largest, root_params, param_bytes=param_bytes, optim_bytes=optim_bytes,
+            compute_bytes=compute_bytes, reduce_bytes=torch.empty((), dtype=wire).element_size(),
+        )
+        report["theory"] = {"memory": theory["memory"], "traffic": theory["traffic"]}
     return report
 
 

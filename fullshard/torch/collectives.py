@@ -7,25 +7,21 @@ offsets and lengths come from ``fullshard.plan``.
 """
 from __future__ import annotations
 
-from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
-from fullshard.torch import buffers
-from fullshard.torch.buffers import Borrowed, Owned
+from fullshard.core.traffic import traffic
 from fullshard.plan import (
-    BucketLayout, Exchange, GatherPlan, Ownership, ReducePlan, ShardedGrad, Unsharded, reduce_scratch_chunks,
+    BucketLayout, Exchange, GatherPlan, Ownership, ReducePlan, ShardedGrad, Unsharded, grad_copy_may_be_async,
+    reduce_scratch_chunks,
 )
+from fullshard.torch import buffers
 from fullshard.torch import exchange as transport
+from fullshard.torch.buffers import Borrowed, Owned
 from fullshard.torch.param import ShardedParam
-
-# Payload bytes of every collective issued by this process, by kind (each
-# collective's full buffer: all-gather output, reduce-scatter input,
-# all-reduce buffer). Read and reset through fullshard.torch.accounting.
-traffic: Counter = Counter()
 
 
 class CollectiveError(RuntimeError):
@@ -117,6 +113,11 @@ class PendingGather:
             self.transient.append(self.copy_out)
         buffers.release_all(self.transient)
 
+    def abandon(self) -> None:
+        """The gather failed: drop its buffers without freeing them (a transfer may still write)."""
+        buffers.release_all(self.transient, idle=False)
+        self.version_guard = None
+
 
 def _pack_local_chunks(flat: torch.Tensor, bucket: BucketLayout, params: Sequence[ShardedParam]) -> None:
     """Write this rank's padded chunk of every member into ``flat`` (one rank's row of the bucket)."""
@@ -175,7 +176,8 @@ def gather_bucket(
             source = packed.writable("pack the all-gather input")
             _pack_local_chunks(source, bucket, params)
         work = transport.all_gather(exchange, out, source, group, tag, input_in_place=in_place)
-        traffic["all_gather"] += out.numel() * out.element_size()
+        if exchange is not Exchange.LOCAL:
+            traffic["all_gather"] += out.numel() * out.element_size()
     copy_out = output if plan.unsharded is Unsharded.OWN_STORAGE else None
     return PendingGather(work, version_guard, transient, copy_out, bucket, list(params), label)
 
@@ -228,8 +230,10 @@ class PendingReduce:
                     local = out[start : start + layout.local_numel(param.rank)].view(layout.local_shape(param.rank))
                 else:
                     chunk = out[start : start + layout.padded_chunk_numel].view(layout.padded_chunk_shape)
+                    # An existing gradient is summed with the copy right away: it must have landed.
+                    non_blocking = grad_copy_may_be_async(param.pin_memory, param.sharded.grad is not None)
                     local = chunk.narrow(layout.dim, 0, layout.local_length(param.rank)).to(
-                        device=param.storage_device, dtype=param.stored_dtype, non_blocking=param.pin_memory,
+                        device=param.storage_device, dtype=param.stored_dtype, non_blocking=non_blocking,
                         memory_format=torch.contiguous_format, copy=True,
                     )
                 param.to_sharded_grad(local)
@@ -238,6 +242,19 @@ class PendingReduce:
         else:
             self.output.reclaim()
         self.output = None
+
+    def abandon(self) -> None:
+        """The step is abandoned: let the transfer end, then let go of the buffers. If it failed it
+        may still be writing into them, so they are only dropped, never resized."""
+        try:
+            self.work.wait()
+            idle = True
+        except Exception:  # the step is lost either way; only the buffers' lifetime matters
+            idle = False
+        if self.output is not None:
+            self.transient.append(self.output)
+            self.output = None
+        buffers.release_all(self.transient, idle=idle)
 
 
 def reduce_bucket(
@@ -274,8 +291,9 @@ def reduce_bucket(
             pack_rank_chunks(source.writable("pack the reduce-scatter input"), bucket, params, grads)
         present = [g is not None for g in grads]
         if all_reduce:
-            work = dist.all_reduce(source.writable("all-reduce in place"), op=dist.ReduceOp.SUM, group=group, async_op=True)
-            traffic["all_reduce"] += source.nbytes
+            work = transport.all_reduce_sum(exchange, source.writable("all-reduce in place"), group)
+            if exchange is not Exchange.LOCAL:
+                traffic["all_reduce"] += source.nbytes
             return PendingReduce(work, [], source, bucket, plan, list(params), present, divide_factor, label)
         output = buffers.allocate(bucket.chunk_numel, reduce_dtype, device, f"reduce-scatter output of {label}")
         scratch = [
@@ -286,5 +304,6 @@ def reduce_bucket(
             exchange, output.writable("reduce-scatter into"), source.tensor, group, tag,
             [buffer.writable("receive a peer's gradient chunk") for buffer in scratch],
         )
-        traffic["reduce_scatter"] += source.tensor.numel() * source.tensor.element_size()
+        if exchange is not Exchange.LOCAL:
+            traffic["reduce_scatter"] += source.tensor.numel() * source.tensor.element_size()
     return PendingReduce(work, [source, *scratch], output, bucket, plan, list(params), present, divide_factor, label)

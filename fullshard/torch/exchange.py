@@ -1,5 +1,7 @@
 """All-gather and reduce-scatter over a process group, the way ``fullshard.plan.exchange`` chose.
 
+(A group of one rank exchanges nothing: LOCAL copies this rank's own data.)
+
 Every function starts the exchange asynchronously and returns a handle whose
 ``wait()`` returns once the output is complete. Buffers are plain tensors
 here: the caller passes only storage it may write (the outputs, scratch) and
@@ -64,6 +66,10 @@ def all_gather(
     """
     if exchange is Exchange.COLLECTIVE:
         return _all_gather(output, input, group=group, async_op=True)
+    if exchange is Exchange.LOCAL:
+        if not input_in_place:
+            output.copy_(input)
+        return PairwiseWork([])
     me, peers = _peers(group)
     slots = output.view(len(peers) + 1, -1)
     source = input.view(-1)
@@ -72,6 +78,13 @@ def all_gather(
     if not input_in_place:
         slots[me].copy_(source)  # while the peers' chunks are in flight
     return PairwiseWork(works)
+
+
+def all_reduce_sum(exchange: Exchange, buffer: torch.Tensor, group: Optional[dist.ProcessGroup]) -> Any:
+    """Sum ``buffer`` in place across ``group`` (replicated parameters); a group of one has nothing to add."""
+    if exchange is Exchange.LOCAL:
+        return PairwiseWork([])
+    return dist.all_reduce(buffer, op=dist.ReduceOp.SUM, group=group, async_op=True)
 
 
 def reduce_scatter(
@@ -88,11 +101,11 @@ def reduce_scatter(
     """
     if exchange is Exchange.COLLECTIVE:
         return _reduce_scatter(output, input, op=dist.ReduceOp.SUM, group=group, async_op=True)
+    if exchange is Exchange.LOCAL:  # a group of one: the sum is this rank's own chunk
+        output.copy_(input.view(-1))
+        return PairwiseWork([])
     me, peers = _peers(group)
     chunks = input.view(len(peers) + 1, -1)
-    if not peers:  # a group of one: the sum is this rank's own chunk
-        output.copy_(chunks[me])
-        return PairwiseWork([])
     widen = output.dtype != input.dtype
     first = output.view(input.dtype)[-output.numel():] if widen else output
     targets = [first, *scratch]

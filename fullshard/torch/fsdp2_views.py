@@ -38,11 +38,11 @@ class _StateView:
 
     @property
     def _state_ctx(self) -> SimpleNamespace:
-        root = self._state.root or self._state
-        return SimpleNamespace(all_states=[_StateView(state) for state in (root.subtree or [root])])
+        states = self._state.context.states if self._state.context is not None else [self._state]
+        return SimpleNamespace(all_states=[_StateView(state) for state in states])
 
     def _root_post_backward_final_callback(self) -> None:
-        (self._state.root or self._state).complete_backward()
+        (self._state.context or self._state._lazy_init_as_root()).complete_backward()
 
 
 def expose(module: nn.Module, state: ShardState) -> None:

@@ -200,7 +200,8 @@ class ShardedParam:
 
     # ------------------------------------------------------------------ gradients
     def to_sharded_grad(self, local_grad: torch.Tensor) -> None:
-        """Install a reduced local gradient, summing with an existing one (out of place)."""
+        """Install a reduced local gradient, summing with an existing one (out of place), then run the
+        sharded parameter's post-accumulate-grad hooks (the optimizer-in-backward pattern), as FSDP2 does."""
         old = self.sharded.grad
         if old is not None:
             local_grad = old.to_local() + local_grad
@@ -209,15 +210,32 @@ class ShardedParam:
             # Every step wraps every gradient: share the parameter's (immutable)
             # sharding spec instead of building and validating a new one.
             self.sharded.grad = DTensor(local_grad, spec, requires_grad=False)
-            return
-        self.sharded.grad = DTensor.from_local(
-            local_grad,
-            self.mesh,
-            self.placements,
-            run_check=False,
-            shape=torch.Size(self.layout.shape),
-            stride=_contiguous_stride(self.layout.shape),
-        )
+        else:
+            self.sharded.grad = DTensor.from_local(
+                local_grad,
+                self.mesh,
+                self.placements,
+                run_check=False,
+                shape=torch.Size(self.layout.shape),
+                stride=_contiguous_stride(self.layout.shape),
+            )
+        # Autograd never accumulates into the sharded parameter (modules compute with the
+        # unsharded one), so the hooks registered on it are fullshard's to run.
+        hooks = getattr(self.sharded, "_post_accumulate_grad_hooks", None)
+        for hook in list(hooks.values()) if hooks else ():
+            hook(self.sharded)
+
+    def has_unreduced_grad(self) -> bool:
+        return (self.unsharded is not None and self.unsharded.grad is not None) or self.grad_accumulator is not None
+
+    def drop_grads(self) -> None:
+        """Forget every gradient of this step: unreduced, accumulated and reduced."""
+        if self.unsharded is not None:
+            self.unsharded.grad = None
+        if self.grad_accumulator is not None:
+            self.grad_accumulator.reclaim()
+            self.grad_accumulator = None
+        self.sharded.grad = None
 
     def take_unsharded_grad(self) -> Optional[torch.Tensor]:
         """Take the unsharded gradient: autograd's, summed into the accumulator if there is one."""

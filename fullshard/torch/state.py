@@ -1,37 +1,42 @@
-"""Per-``fully_shard`` state: forward/backward hooks and the root's end of backward.
+"""Per-``fully_shard`` state: the hooks that move a unit through its phases (``fullshard.core.phases``).
 
-Life of a group in one step (ZeRO-3):
+Life of a unit in one step (ZeRO-3):
 
-* pre-forward: all-gather (wait), register unsharded parameters, cast inputs;
-* post-forward: register sharded parameters again (so ``parameters()`` and
-  ``state_dict()`` always show shards), reshard if asked, hook the outputs so
-  the group is all-gathered again when backward reaches it, cast outputs;
-* backward: once every trainable parameter of the group has its gradient,
-  reduce-scatter them (asynchronously) and reshard;
-* end of backward (the root's callback): flush groups that did not finish,
-  wait for every reduction, install sharded gradients, reshard the rest.
-
-The first module whose forward runs while no other is running is the *root*
-of that forward: it lazily initializes every state below it.
+* pre-forward: all-gather (wait; the modules now show the unsharded
+  parameters), cast inputs, and put an identity node on the inputs whose
+  backward marks the end of this unit's backward;
+* post-forward: reshard if asked (the modules show the shards again), hook
+  the outputs so the unit is gathered again when backward reaches it;
+* pre-backward: all-gather again, prefetch the next unit;
+* post-backward (the input node's backward): autograd has now computed every
+  gradient this forward gives the unit's parameters, and sums them before it
+  runs that node (AccumulateGrad runs first), so the gradients are reduced
+  here and the unit resharded. No count of gradient arrivals can know this: a
+  parameter used by two reentrant checkpoint segments receives two;
+* end of backward (the root's callback, ``root.py``): reduce what no
+  post-backward did (units whose inputs need no gradient, gradients that came
+  late), wait for every reduction, reshard.
 """
 from __future__ import annotations
 
 import threading
+import weakref
 from typing import Any, Optional
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
-from torch.autograd import Variable
+from torch.autograd.graph import register_multi_grad_hook
 from torch.distributed.tensor import DTensor
-from torch.utils._pytree import tree_flatten, tree_map
+from torch.profiler import record_function
 
-from fullshard.torch import buffers
+from fullshard.core.phases import TrainingPhase
 from fullshard.plan.strategy import Lifecycle, Strategy, lifecycle
-from fullshard.torch.policies import MixedPrecisionPolicy
 from fullshard.torch import checks
-from fullshard.torch.collectives import PendingReduce
-from fullshard.torch.group import GroupState, ParamGroup
+from fullshard.torch.group import ParamGroup
+from fullshard.torch.policies import MixedPrecisionPolicy
+from fullshard.torch.root import RootContext
+from fullshard.torch.trees import map_tensors, tensors_in
+from fullshard.torch.unshard import GroupState
 
 _active = threading.local()
 
@@ -42,6 +47,22 @@ def _active_root() -> Optional["ShardState"]:
 
 def _in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
+
+
+class _PostBackward(torch.autograd.Function):
+    """Identity on a unit's forward inputs; its backward runs once the unit's backward for that forward is done."""
+
+    @staticmethod
+    def forward(ctx: Any, state_ref: weakref.ref, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        ctx.state_ref = state_ref
+        return inputs
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple:
+        state = ctx.state_ref()
+        if state is not None:
+            state.post_backward()
+        return (None, *grads)
 
 
 class ShardState:
@@ -58,31 +79,23 @@ class ShardState:
         self.mp_policy = mp_policy
         self.strategy = strategy
         self._reshard_after_forward = reshard_after_forward
+        self.phase = TrainingPhase.IDLE
         self.is_root: Optional[bool] = None
-        self.root: Optional[ShardState] = None
-        self.subtree: list[ShardState] = []  # root only: every state under it, in module order
+        self.context: Optional[RootContext] = None  # the root's, once a root forward ran
         # Explicit prefetch targets (set_modules_to_*_prefetch); empty: the implicit
         # neighbour in the order the root recorded during its first forward.
         self.forward_prefetch: list[ShardState] = []
         self.backward_prefetch: list[ShardState] = []
-        # Root only: units in the order their forward began, and in the order it ended.
-        # Backward runs in the reverse of the second: the root's head, whose
-        # forward ends last, first; then the last block, and so on.
-        self._forward_order: list[ShardState] = []
-        self._post_forward_order: list[ShardState] = []
-        self._order_recorded = False  # root only
-        self._forward_done: set[int] = set()
-        self._final_callback_queued = False
-        self._forward_thread: Optional[int] = None
-        self._pending_reduces: list[PendingReduce] = []
-        self.post_optim_event: Any = None  # root only: FSDPModule.set_post_optim_event
+        self._forward_done: set[int] = set()  # modules of this group whose forward ran in this pass
+        # Forwards since the last end of backward whose outputs need a gradient: their backward is to come.
+        self.forwards_with_grad = 0
         if group is not None:
-            group.on_grad_ready = self._on_grad_ready
+            group.reducer.on_grad = self._on_grad
         for module in modules:
             module.register_state_dict_pre_hook(self._before_state_dict)
             module.register_load_state_dict_pre_hook(self._before_load_state_dict)
             module.register_forward_pre_hook(self._pre_forward, prepend=True, with_kwargs=True)
-            # always_call: a forward that raises still restores the sharded registration and the root marker
+            # always_call: a forward that raises still restores the root marker
             module.register_forward_hook(self._post_forward, prepend=False, always_call=True)
 
     @property
@@ -97,20 +110,28 @@ class ShardState:
     def reshard_after_forward(self, value: bool) -> None:
         self._reshard_after_forward = value
 
+    @property
+    def reduces_at_end_of_backward(self) -> bool:
+        return self.lifecycle.reduce_at_end_of_backward
+
+    def label(self, what: str) -> str:
+        """A profiler label: ``fullshard::<phase> <what> (<module fqn>)``."""
+        name = self.group.module_name if self.group is not None else type(self.modules[0]).__name__
+        return f"fullshard::{self.phase} {what} ({name})"
+
+    # ------------------------------------------------------------------ state dict
     def _before_state_dict(self, *_args: Any) -> None:
-        """The tensors state_dict() returns may be written (dcp.load writes into them, below any
-        version counter fullshard can see): gather a kept unsharded copy again before its next use."""
-        if self.group is not None and self.group.state is GroupState.UNSHARDED and not _in_backward():
-            self.group.mark_stale()
+        """state_dict() returns the shards (FSDP2 does the same). The tensors it returns may be written
+        (dcp.load writes into them, below any version counter): a kept copy is gathered again."""
+        if self.group is not None and self.group.state is not GroupState.SHARDED and not _in_backward():
+            self.group.unsharder.mark_stale()
 
     def _before_load_state_dict(self, module: nn.Module, state_dict: dict, prefix: str, *_args: Any) -> None:
-        """Accept full (plain) tensors for sharded parameters: keep this rank's shard of each.
-
-        (Sharded DTensors load as they are; a kept unsharded copy is refreshed
-        at the next forward because the shards' versions change.)
-        """
+        """Load into the shards, accepting full (plain) tensors for sharded parameters: keep this rank's
+        shard of each. A kept unsharded copy is gathered again at the next forward."""
         if self.group is None:
             return
+        self._before_state_dict()
         paths = {id(m): name for name, m in module.named_modules()}
         for param in self.group.params:
             for owner, attr in param.owners:
@@ -122,118 +143,127 @@ class ShardState:
                     state_dict[key] = param.full_to_sharded(value)
 
     # ------------------------------------------------------------------ lazy init
-    def _lazy_init_as_root(self) -> None:
-        if self.is_root is not None and self.root is self:
-            return
-        self._build_subtree()
-        self._check_ranks_agree()
-
-    def _check_ranks_agree(self) -> None:
-        """Fail at the first step, not hang later, if ranks wrapped different models."""
-        groups = [s.group for s in self.subtree if s.group is not None]
-        if not groups:
-            return
-        layout = [
-            (p.fqn, p.layout.shape, p.layout.dim, str(p.stored_dtype), str(p.compute_dtype), p.requires_grad)
-            for group in groups for p in group.params
-        ]
-        # Ranks that move bytes differently (FULLSHARD_EXCHANGE set on some only) would wait on each other forever.
-        layout += [(f"exchange of module '{group.module_name}'", group.exchange.value) for group in groups]
-        process_group = groups[0].process_group
-        everyone: list = [None] * dist.get_world_size(process_group)
-        dist.all_gather_object(everyone, layout, group=process_group)
-        for rank, other in enumerate(everyone):
-            if other != layout:
-                mine, theirs = _first_difference(layout, other)
-                raise RuntimeError(
-                    f"fully_shard: rank {dist.get_rank()} and group rank {rank} wrapped different models "
-                    f"(first difference: {mine} here vs {theirs} there); every rank must build the same "
-                    "model, apply fully_shard the same way and set FULLSHARD_EXCHANGE alike (or nowhere)"
-                )
-
-    def _build_subtree(self) -> None:
-        self.is_root, self.root = True, self
-        self.subtree = [self]
-        seen = {id(self)}
+    def _lazy_init_as_root(self) -> RootContext:
+        if self.context is not None:
+            return self.context
+        context = RootContext(self)
+        self.context, self.is_root = context, True
         for module in self.modules:
             for name, sub in module.named_modules():
                 state = getattr(sub, "_fullshard_state", None)
-                if state is None or id(state) in seen:
-                    continue
-                seen.add(id(state))
-                if state.is_root is None or state.root is not self:
-                    state.is_root, state.root = False, self
-                if state.group is not None:
-                    state.group.rename(name)  # errors and labels name parameters from the root
-                self.subtree.append(state)
+                if state is not None and state not in context.states:
+                    context.adopt(name, state)  # also takes over a unit that ran alone before
+        context.check_ranks_agree()
+        return context
+
+    def _ensure_context(self) -> RootContext:
+        """A unit outside its root's modules (called from the root's forward) joins the active root."""
+        if self.context is None:
+            root = _active_root()
+            if root is not None and root.context is not None:
+                root.context.adopt("", self)
+            else:
+                self._lazy_init_as_root()
+        return self.context
 
     # ------------------------------------------------------------------ forward
     def _pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        group = self.group
+        if _in_backward() and self.phase is TrainingPhase.PRE_BACKWARD:
+            # Activation checkpointing recomputes this unit inside its own backward: it
+            # already shows the unsharded parameters (a nested use may have resharded them).
+            if group is not None and group.unshard_in_backward:
+                self._unshard_now("all-gather")
+            return self._cast_inputs(args, kwargs)
         self._check_not_used_during_backward(module)
         # A forward inside backward is activation checkpointing recomputing a unit:
         # it belongs to the step already running, so it never becomes a root.
         if _active_root() is None and not _in_backward():
-            self._lazy_init_as_root()
+            context = self._lazy_init_as_root()
             _active.root = self
-            self._forward_thread = threading.get_ident()
-            groups = [s.group for s in self.subtree if s.group is not None]
+            groups = context.groups
             if checks.check_inputs_enabled() and groups:
                 checks.check_same_input_shapes(args, kwargs, type(module).__name__, groups[0].process_group)
-            for state in self.subtree:  # cheap identity checks: re-adopt replaced parameters
-                if state.group is not None:
-                    state.group.refresh_sharded()
-            if self.post_optim_event is not None:
-                self.post_optim_event.wait()  # the gathers below run on the current stream
-                self.post_optim_event = None
-        if self.group is not None:
-            if not _in_backward() and torch.is_grad_enabled():
-                self.group.ran_forward = True  # a forward that may have a backward
-            root = self.root or self
-            if not root._order_recorded and self not in root._forward_order:
-                root._forward_order.append(self)
-            self.group.unshard()
-            if not _in_backward():
-                # issued before waiting for this unit's own: both transfers in flight at once
-                self._prefetch(self.forward_prefetch or self._neighbour(+1))
-            self.group.wait_for_unshard()
-            self.group.register_unsharded()
+            context.begin_step()
+        first_in_pass = self.phase is not TrainingPhase.FORWARD  # fully_shard([a, b]): once per pass
+        if group is not None:
+            self.phase = TrainingPhase.PRE_FORWARD
+            self._ensure_context().record_forward(self, ended=False)
+            with record_function(self.label("all-gather")):
+                group.unsharder.unshard()
+                if not _in_backward():
+                    # issued before waiting for this unit's own: both transfers in flight at once
+                    self._prefetch(self.forward_prefetch or self.context.neighbour(self, +1))
+                group.unsharder.wait_for_unshard()
+        self.phase = TrainingPhase.FORWARD
+        if group is not None and first_in_pass and torch.is_grad_enabled():
+            args, kwargs = self._register_post_backward((args, kwargs))
+        return self._cast_inputs(args, kwargs)
+
+    def _register_post_backward(self, inputs: Any) -> Any:
+        tensors = [t for t in tensors_in(inputs) if t.requires_grad]
+        if not tensors:
+            return inputs  # no backward reaches the inputs: the root's end of backward reduces this unit
+        passed_through = _PostBackward.apply(weakref.ref(self), *tensors)
+        replacement = {id(t): out for t, out in zip(tensors, passed_through)}
+        return map_tensors(lambda t: replacement.get(id(t), t), inputs)
+
+    def _cast_inputs(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         dtype = self.mp_policy.param_dtype
-        if dtype is not None and self.mp_policy.cast_forward_inputs:
-            args, kwargs = _cast_floats((args, kwargs), dtype)
-        return args, kwargs
+        if dtype is None or not self.mp_policy.cast_forward_inputs:
+            return args, kwargs
+        return _cast_floats((args, kwargs), dtype)
 
     def _post_forward(self, module: nn.Module, args: tuple, output: Any) -> Any:
-        if self.group is not None:
-            # A recomputation (activation checkpointing) inside this unit's backward keeps the
-            # unsharded parameters shown: a checkpoint nested inside may still recompute.
-            if not (_in_backward() and self.group.shown_for_backward):
-                self.group.register_sharded()
+        if not (_in_backward() and self.phase is TrainingPhase.PRE_BACKWARD) and self.group is not None:
+            # Outputs that need a gradient: a backward will come through this unit.
+            if torch.is_grad_enabled() and self._hook_outputs_for_backward(output) and not _in_backward():
+                self.forwards_with_grad += 1
             self._forward_done.add(id(module))
-            all_ran = len(self._forward_done) == len(self.modules)
-            if all_ran:
+            if len(self._forward_done) == len(self.modules):
                 self._forward_done.clear()
-                root = self.root or self
-                if not root._order_recorded and not _in_backward() and self not in root._post_forward_order:
-                    root._post_forward_order.append(self)
-                if self.reshard_after_forward and not _in_backward():
-                    self.group.reshard_after_forward()
-            if torch.is_grad_enabled():
-                self._hook_outputs_for_backward(output)
+                if not _in_backward():
+                    self.context.record_forward(self, ended=True)
+                    self._release_after_forward()
+                self.group.unsharder.requested = False  # an explicit unshard() is used up by this forward
+                self.phase = TrainingPhase.IDLE
         if self.mp_policy.output_dtype is not None:
             output = _cast_floats(output, self.mp_policy.output_dtype)
         if _active_root() is self:
-            self._finish_root_forward()
+            if self.context is not None and self is self.context.root:
+                self.context.finish_forward()
             _active.root = None
         return output
 
+    def _release_after_forward(self) -> None:
+        """After forward, keep what backward needs, as the policy says. Without a forward whose outputs need a
+        gradient since the last backward, no backward is to come: the unit shows its shards again, so a write
+        through ``model.parameters()`` (``p.data.copy_``) lands in the shards, and the next forward
+        gathers it (a kept storage is reused)."""
+        unsharder = self.group.unsharder
+        with record_function(self.label("reshard")):
+            if not self.forwards_with_grad:
+                unsharder.reshard() if self.reshard_after_forward else unsharder.mark_stale()
+            elif self.reshard_after_forward:
+                unsharder.reshard_after_forward()
+
+    def finish_partial_forward(self) -> None:
+        """At the root's post-forward: a group of several modules where not all ran, or one prefetched
+        but not run, still follows its policy (an explicit unshard() is left for the next forward)."""
+        if self._forward_done:
+            self._forward_done.clear()
+            self.phase = TrainingPhase.IDLE
+        if self.group is not None and not self.is_root and not self.group.unsharder.requested:
+            self._release_after_forward()
+
     def _check_not_used_during_backward(self, module: nn.Module) -> None:
         """A forward from another thread while this model's backward runs would race on its buffers."""
-        root = self.root or self
-        if not root._final_callback_queued or _in_backward():
+        context = self.context
+        if context is None or not context.final_callback_queued or _in_backward():
             return  # no backward in flight, or a recomputation inside it (activation checkpointing)
-        if threading.get_ident() == root._forward_thread:
+        if threading.get_ident() == context.forward_thread:
             # The same thread is not inside that backward any more: it raised. Start clean.
-            root.reset_step()
+            context.reset_step()
             return
         raise RuntimeError(
             f"{type(module).__name__} (fully_shard) was called from another thread while its backward is "
@@ -241,169 +271,94 @@ class ShardState:
         )
 
     def reset_step(self) -> None:
-        """Abandon the step in flight (it raised): pending reductions and unreduced gradients are
-        dropped, every unit is resharded and shows its sharded parameters."""
-        root = self.root or self
-        root._final_callback_queued = False
-        for reduce in root._pending_reduces:
-            # The transfer may still be writing into the buffers: let it end before they are let go.
-            try:
-                reduce.work.wait()
-            except Exception:  # the step is abandoned either way; only the buffers' lifetime matters
-                pass
-            buffers.release_all(reduce.transient)
-            if reduce.output is not None:
-                reduce.output.reclaim()
-        root._pending_reduces.clear()
+        """FSDPModule.reset_iter_state: abandon the step in flight (call on the root)."""
+        (self.context or RootContext(self)).reset_step()
         _active.root = None
-        for state in root.subtree or [root]:
-            group = state.group
-            if group is not None:
-                group.reset_backward()
-                group.abandon_step()
-                group.reshard()
-                group.register_sharded()
 
-    def _finish_root_forward(self) -> None:
-        self._order_recorded = True
-        # Groups of several modules where not all ran still follow their policy.
-        for state in self.subtree:
-            state._forward_done.clear()
-            if state.group is not None and state.reshard_after_forward and state is not self:
-                state.group.reshard_after_forward()
-
-    def _hook_outputs_for_backward(self, output: Any) -> None:
-        tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
+    def _hook_outputs_for_backward(self, output: Any) -> bool:
+        """Gather this unit again when backward reaches its outputs; False if none needs a gradient."""
+        tensors = [t for t in tensors_in(output) if t.requires_grad]
         if tensors:
-            torch.autograd.graph.register_multi_grad_hook(tensors, self._pre_backward, mode="any")
+            # Autograd keeps the hook in C++, out of reach of Python's cycle collector: a strong
+            # reference to this state would keep the whole model alive once it is dropped.
+            state_ref = weakref.ref(self)
+
+            def pre_backward(grad: Any) -> None:
+                state = state_ref()
+                if state is not None:
+                    state._pre_backward(grad)
+
+            register_multi_grad_hook(tensors, pre_backward, mode="any")
+        return bool(tensors)
 
     # ------------------------------------------------------------------ backward
     def _pre_backward(self, _grad: Any) -> None:
-        self._queue_final_callback()
-        group = self.group
-        if group.unshard_in_backward:
-            group.unshard()
-        self._prefetch(self.backward_prefetch or self._neighbour(-1))
-        if not group.unshard_in_backward:
+        if self.phase is TrainingPhase.PRE_BACKWARD:
             return
-        group.wait_for_unshard()
-        # Shown to the module until its backward is done: activation checkpointing
-        # inside this unit recomputes through submodules that have no hooks of ours.
-        group.register_unsharded()
-        group.shown_for_backward = True
+        self.context.queue_final_callback()
+        self.phase = TrainingPhase.PRE_BACKWARD
+        group = self.group
+        with record_function(self.label("all-gather")):
+            if group.unshard_in_backward:
+                group.unsharder.unshard()
+            self._prefetch(self.backward_prefetch or self.context.neighbour(self, -1))
+            if group.unshard_in_backward:
+                group.unsharder.wait_for_unshard()
 
-    def _neighbour(self, offset: int) -> list["ShardState"]:
-        """The unit that runs next in forward (+1) or in backward (-1), from the order recorded in forward."""
-        root = self.root or self
-        order = root._forward_order if offset > 0 else root._post_forward_order
-        if not root._order_recorded or self not in order:
-            return []
-        index = order.index(self) + offset
-        return [order[index]] if 0 <= index < len(order) else []
+    def _unshard_now(self, what: str) -> None:
+        with record_function(self.label(what)):
+            self.group.unsharder.unshard()
+            self.group.unsharder.wait_for_unshard()
 
-    @staticmethod
-    def _prefetch(states: list["ShardState"]) -> None:
+    def _prefetch(self, states: list["ShardState"]) -> None:
         """Issue these units' all-gathers now, to overlap with the current unit's compute."""
         backward = _in_backward()
         for other in states:
             if other.group is not None and (other.group.unshard_in_backward or not backward):
-                other.group.unshard()
+                with record_function(other.label("prefetch all-gather")):
+                    other.group.unsharder.unshard()
 
-    def _queue_final_callback(self) -> None:
-        root = self.root or self
-        if not root._final_callback_queued:
-            root._final_callback_queued = True
-            Variable._execution_engine.queue_callback(root._end_of_backward)
+    def _on_grad(self) -> None:
+        self.context.queue_final_callback()
 
-    def _on_grad_ready(self, group: ParamGroup) -> None:
-        self._queue_final_callback()
+    def post_backward(self) -> None:
+        """This unit's backward for one forward is done: reduce its gradients and reshard."""
+        group = self.group
+        self.phase = TrainingPhase.POST_BACKWARD
+        reducer = group.reducer
         # With reduce_unused_params, which gradients arrive differs between ranks, so
-        # "all arrived" would order reductions differently on each: those groups
-        # reduce at the end of backward instead, in module order on every rank.
-        if group.all_grads_ready and not group.backward_done and not group.reduce_unused_params:
-            self._finish_group_backward(group)
+        # those groups reduce at the end of backward instead, in module order on every rank.
+        if (reducer.reduce_grads and not self.reduces_at_end_of_backward and not reducer.reduce_unused_params
+                and reducer.has_pending_grads()):
+            self.context.start_reduce(self)
+        if group.reshard_after_backward:
+            with record_function(self.label("reshard")):
+                group.unsharder.reshard()
 
-    def _finish_group_backward(self, group: ParamGroup) -> None:
-        group.backward_done = True
-        root = self.root or self
-        if group.reduce_grads and not self.lifecycle.reduce_at_end_of_backward:
-            # Keep at most one bucket set in flight: finishing the previous
-            # reductions here bounds memory and overlaps them with this backward.
-            root._finish_reduces()
-            root._pending_reduces.extend(group.reduce())
-        # A group with frozen parameters may still be needed by backward ops
-        # that only compute input gradients: it is resharded at the end instead.
-        if group.reshard_after_backward and len(group.trainable) == len(group.params):
-            group.reshard()
-            group.register_sharded()
-            group.shown_for_backward = False
-
-    def _finish_reduces(self) -> None:
-        pending, self._pending_reduces = self._pending_reduces, []
-        for reduce in pending:
-            reduce.finish()
-
-    def _end_of_backward(self) -> None:
-        for state in self.subtree:
-            group = state.group
-            if group is None or group.backward_done:
-                continue
-            # Some gradients but not all (unused parameters); or, with reduce_unused_params,
-            # none at all on this rank while others may have some: every rank must reduce.
-            if group.has_unfinished_grads or (group.reduce_unused_params and group.ran_forward):
-                state._finish_group_backward(group)
-        # ZeRO-1 reduces every group once, here, in the same order on every rank.
-        for state in reversed(self.subtree):
-            group = state.group
-            if group is not None and group.reduce_grads and state.lifecycle.reduce_at_end_of_backward:
-                self._pending_reduces.extend(group.reduce())
-        self.complete_backward()
+    def reduce_leftovers(self) -> None:
+        """At the end of backward: reduce gradients no post-backward reduced (inputs that need no
+        gradient, gradients that came late), and every reduce_unused_params unit that ran forward."""
+        group = self.group
+        if group is None or not group.reducer.reduce_grads or self.reduces_at_end_of_backward:
+            return
+        if group.reducer.reduce_unused_params:
+            if self.forwards_with_grad:
+                self.context.start_reduce(self)
+        elif group.reducer.has_pending_grads():
+            self.phase = TrainingPhase.POST_BACKWARD
+            self.context.start_reduce(self)
 
     def reduce_accumulated_grads(self) -> None:
         """Reduce this unit's accumulated gradients now, outside autograd.
 
         torch.distributed.pipelining does this after its last micro-batch (sync
-        back on), then calls :meth:`complete_backward` on the stage's root.
+        back on), then calls :meth:`RootContext.complete_backward` on the stage's root.
         """
         group = self.group
-        if group is not None and group.reduce_grads:
-            group.backward_done = True
-            (self.root or self)._pending_reduces.extend(group.reduce())
-
-    def complete_backward(self) -> None:
-        """Wait for the reductions in flight, then reshard and show the shards (root only)."""
-        self._finish_reduces()
-        offloaded = [s.group for s in self.subtree if s.group is not None and s.group.offloaded_to_host]
-        if offloaded:
-            # gradients copied to pinned host memory without blocking: done before the optimizer reads them
-            getattr(torch, offloaded[0].params[0].device.type).synchronize()
-        for state in self.subtree:
-            group = state.group
-            if group is None:
-                continue
-            if group.reshard_after_backward:
-                group.reshard()
-            elif group.reduce_grads and group.backward_done:
-                group.mark_stale()  # the optimizer will change the shards: gather again next forward
-            group.register_sharded()  # at rest, modules show their sharded parameters
-            group.reset_backward()
-        self._final_callback_queued = False
-        groups = [s.group for s in self.subtree if s.group is not None]
-        if checks.check_finite_enabled() and groups:
-            checks.raise_if_any(groups[0].process_group)
-
-
-def _first_difference(mine: list, theirs: list) -> tuple:
-    for a, b in zip(mine, theirs):
-        if a != b:
-            return a, b
-    return (f"{len(mine)} parameters", f"{len(theirs)} parameters")
+        if group is not None and group.reducer.reduce_grads:
+            self.phase = TrainingPhase.POST_BACKWARD
+            (self.context or self._lazy_init_as_root()).start_reduce(self)
 
 
 def _cast_floats(tree: Any, dtype: torch.dtype) -> Any:
-    def cast(x: Any) -> Any:
-        if isinstance(x, torch.Tensor) and x.is_floating_point() and x.dtype != dtype:
-            return x.to(dtype)
-        return x
-
-    return tree_map(cast, tree)
+    return map_tensors(lambda x: x.to(dtype) if x.is_floating_point() and x.dtype != dtype else x, tree)

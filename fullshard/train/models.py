@@ -94,7 +94,8 @@ class ModelSpec:
 
 
 def count_units(model: nn.Module) -> dict[str, int]:
-    """Parameters in all, in the largest layer, and outside the layers (the root unit)."""
+    """Parameters in all, outside the layers (the root unit), and in the largest unit (a layer, or the root)."""
     total = sum(p.numel() for p in model.parameters())
     per_layer = [sum(p.numel() for p in layer.parameters()) for layer in model.layers]
-    return {"num_params": total, "largest_unit": max(per_layer, default=0), "root_params": total - sum(per_layer)}
+    root = total - sum(per_layer)
+    return {"num_params": total, "largest_unit": max(per_layer + [root]), "root_params": root}

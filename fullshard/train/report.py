@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Optional
 
 from fullshard.plan.exchange import DEFAULT_BACKENDS, EXCHANGE_ENV, gradient_wire_bytes
-from fullshard.plan.strategy import Strategy, peak_state_bytes, traffic_bytes_per_step
+from fullshard.plan.strategy import Strategy, per_rank_theory
 
 
 def _mib(nbytes: float) -> str:
@@ -17,25 +17,19 @@ def _mib(nbytes: float) -> str:
 
 def theoretical(cfg, world: int, units: dict[str, int]) -> dict:
     """What the planning code predicts for this run (per rank)."""
-    num_params, largest_unit, root_params = units["num_params"], units["largest_unit"], units["root_params"]
-    compute_bytes = 2 if cfg.mixed_precision == "bf16" else 4
     strategy = Strategy.parse(cfg.strategy)
-    memory = peak_state_bytes(
-        strategy, world, num_params, max(largest_unit, root_params), compute_bytes=compute_bytes
-    )
     # bf16 gradients, unless micro-batches were accumulated without sync (in fp32, the reduce dtype)
     grads = "bfloat16" if cfg.mixed_precision == "bf16" and cfg.grad_accum == 1 else "float32"
     reduce_bytes = gradient_wire_bytes(
         strategy is Strategy.NO_SHARD, DEFAULT_BACKENDS[cfg.device], cfg.device, world, grads, "float32",
         os.environ.get(EXCHANGE_ENV),
     )
-    traffic = traffic_bytes_per_step(
-        strategy, world, num_params, root_params=root_params, gather_bytes=compute_bytes, reduce_bytes=reduce_bytes
+    theory = per_rank_theory(
+        strategy, world, units["num_params"], units["largest_unit"], units["root_params"],
+        compute_bytes=2 if cfg.mixed_precision == "bf16" else 4, reduce_bytes=reduce_bytes,
+        micro_batches=cfg.grad_accum,
     )
-    if cfg.grad_accum > 1 and strategy is Strategy.OPTIM_GRADS_PARAMS:
-        # every micro-batch gathers again; the reduction happens once (no_sync before the last)
-        traffic["all_gather"] *= cfg.grad_accum
-    return {"num_params": num_params, "memory": memory, "traffic": traffic}
+    return {"num_params": units["num_params"], "memory": theory["memory"], "traffic": theory["traffic"]}
 
 
 def write_report(cfg, results: list[dict], out_dir: Path, reference: Optional[dict[int, float]] = None) -> dict:

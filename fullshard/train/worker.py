@@ -10,7 +10,6 @@ import datetime
 import json
 import math
 import os
-import resource
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -20,8 +19,9 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from fullshard.core.procs import peak_rss_bytes
 from fullshard.plan.exchange import DEFAULT_BACKENDS
-from fullshard.torch.collectives import traffic
+from fullshard.core.traffic import traffic
 from fullshard.train.data import ByteCorpus
 from fullshard.train.models import ModelSpec, count_units
 from fullshard.train.progress import Progress
@@ -177,7 +177,7 @@ def run_rank(cfg: TrainConfig) -> dict:
         if step > start:  # the first step pays for warm-up (lazy init, allocator)
             timed += time.perf_counter() - began
             tokens_done += cfg.batch_size * seq_len
-        progress.update(step, loss_value, tokens_done / timed if timed else 0.0, _peak_rss())
+        progress.update(step, loss_value, tokens_done / timed if timed else 0.0, peak_rss_bytes())
         if cfg.checkpoint_dir and cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0:
             save_checkpoint(cfg, model, optimizer, step + 1)
     progress.close()
@@ -185,7 +185,7 @@ def run_rank(cfg: TrainConfig) -> dict:
     result.tokens_per_s = tokens_done / timed if timed else 0.0
     result.param_bytes = _local_bytes(model.parameters())
     result.optim_bytes = _local_bytes(v for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v))
-    result.peak_rss_bytes = _peak_rss()
+    result.peak_rss_bytes = peak_rss_bytes()
     gathered = [None] * world
     dist.all_gather_object(gathered, asdict(result))
     return gathered
@@ -223,10 +223,6 @@ def reference_losses(cfg: TrainConfig) -> dict[int, float]:
         optimizer.zero_grad(set_to_none=True)
         losses[step] = loss.item()
     return losses
-
-
-def _peak_rss() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def worker_entry(cfg_json: str) -> list[dict]:

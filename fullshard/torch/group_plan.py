@@ -1,0 +1,94 @@
+"""What one communication group will do, asked of ``fullshard.plan`` once: buckets, exchange, names, dtypes.
+
+Nothing here touches a tensor's data. The group re-plans (a new
+:class:`GroupPlan`) only when the user replaces parameters (new dtype or
+device), and renames when the root learns the modules' paths.
+"""
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from fullshard.plan import GatherPlan, choose_exchange, exchange_tag, plan_buckets, plan_gather, wire_dtype
+from fullshard.plan.exchange import EXCHANGE_ENV
+from fullshard.torch.param import ShardedParam
+
+# Parameters whose per-rank chunk has fewer elements than this share one
+# collective (fusion); larger ones are gathered straight into their own storage.
+DEFAULT_FUSE_BELOW_NUMEL = 1 << 16
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """torch.bfloat16 -> "bfloat16": how the planning code names dtypes."""
+    return str(dtype).removeprefix("torch.")
+
+
+class GroupPlan:
+    def __init__(
+        self,
+        params: list[ShardedParam],
+        process_group: dist.ProcessGroup,
+        world: int,
+        reduce_dtype: Optional[torch.dtype],
+        module_name: str,
+        fuse_below_numel: Optional[int] = None,
+    ) -> None:
+        self.params = params
+        self.module_name = module_name
+        self._reduce_dtype = reduce_dtype
+        layouts = tuple(p.layout for p in params)
+        self.layouts = layouts
+        # Only parameters of the same dtypes and trainability share a buffer.
+        kinds = tuple((p.stored_dtype, p.compute_dtype, p.requires_grad) for p in params)
+        fuse = DEFAULT_FUSE_BELOW_NUMEL if fuse_below_numel is None else fuse_below_numel
+        self.buckets = plan_buckets(layouts, fuse, kinds)
+        self.exchange = choose_exchange(
+            dist.get_backend(process_group), params[0].device.type, world, os.environ.get(EXCHANGE_ENV)
+        )
+        self.gather_plans: list[GatherPlan] = [
+            plan_gather(b, layouts, cast_needed=params[b.members[0]].converts_for_compute, exchange=self.exchange)
+            for b in self.buckets
+        ]
+        self._name_buckets()
+
+    def members(self, index: int) -> list[ShardedParam]:
+        return [self.params[i] for i in self.buckets[index].members]
+
+    def rename(self, module_fqn: str) -> None:
+        """Name the group's parameters by their path from the root module (known at lazy init)."""
+        if self.module_name == module_fqn or not module_fqn:
+            return
+        for param in self.params:
+            param.fqn = f"{module_fqn}.{param.local_fqn}"
+        self.module_name = module_fqn
+        self._name_buckets()
+
+    def _name_buckets(self) -> None:
+        """Labels for messages, and the point-to-point tags derived from them (the same on every rank)."""
+        self.labels = [self._label(b.members) for b in self.buckets]
+        self.gather_tags = [exchange_tag(label, "all_gather") for label in self.labels]
+        self.reduce_tags = [exchange_tag(label, "reduce_scatter") for label in self.labels]
+
+    def _label(self, members: tuple[int, ...]) -> str:
+        names = ", ".join(self.params[i].fqn for i in members[:3])
+        more = f" and {len(members) - 3} more" if len(members) > 3 else ""
+        return f"[{names}{more}] of module '{self.module_name}'"
+
+    def reduce_dtype(self, param: ShardedParam) -> torch.dtype:
+        return self._reduce_dtype or param.compute_dtype
+
+    def gradient_wire_dtype(self, compute_dtype: torch.dtype, reduce_dtype: torch.dtype, all_reduce: bool,
+                            accumulated_without_sync: bool) -> torch.dtype:
+        """The dtype a bucket's gradients travel in (``plan.exchange.wire_dtype``), the same on every rank.
+
+        Decided from what every rank shares (dtypes, the exchange, whether sync
+        was off), never from the gradients this rank happens to hold: both ends
+        of each message must agree on its size. A gradient in another dtype is
+        cast into an owned input. All-reduce and accumulators: the reduce dtype.
+        """
+        if all_reduce or accumulated_without_sync:
+            return reduce_dtype
+        return getattr(torch, wire_dtype(self.exchange, dtype_name(compute_dtype), dtype_name(reduce_dtype)))

@@ -1,0 +1,266 @@
+"""``FSDPModule``: the methods every module ``fully_shard`` was applied to gains (FSDP2-compatible)."""
+from __future__ import annotations
+
+import contextlib
+import warnings
+from typing import Any, Callable, Iterator, Optional
+
+import torch
+import torch.nn as nn
+from torch.distributed import fsdp as torch_fsdp
+
+from fullshard.torch.state import ShardState
+
+
+# The dynamic subclass fully_shard gives each module class: FSDP<Orig>(FSDPModule, Orig).
+FSDP_CLASSES: dict[type, type] = {}
+
+
+class UnshardHandle(torch_fsdp.UnshardHandle):
+    """Returned by ``unshard(async_op=True)``: ``wait()`` completes the all-gather."""
+
+    def __init__(self, state: Optional[ShardState]) -> None:
+        self._state = state
+
+    def wait(self) -> None:
+        if self._state is not None and self._state.group is not None:
+            self._state.group.unsharder.wait_for_unshard()  # the modules show the unsharded parameters now
+        self._state = None
+
+
+class FSDPModule(torch_fsdp.FSDPModule):
+    """Mixin added to every module ``fully_shard`` was applied to (a dynamic subclass).
+
+    It subclasses PyTorch's ``FSDPModule`` so that code finding FSDP modules
+    with ``isinstance`` (torchtitan, accelerate, Lightning, torch's pipeline
+    schedules) finds these too; every public method is defined here, none is
+    inherited. PyTorch's ``__new__`` is: constructing the class again (slicing
+    an ``nn.Sequential``) gives the original class, as in FSDP2.
+    """
+
+    # Where PyTorch's __new__ finds the original class in the MRO:
+    # [FSDP<Orig>, this class, torch's FSDPModule, Orig, ...]
+    _orig_cls_mro_index = 3
+
+    def _fullshard_states(self, recurse: bool) -> list[ShardState]:
+        modules = self.modules() if recurse else [self]
+        seen, states = set(), []
+        for module in modules:
+            state = getattr(module, "_fullshard_state", None)
+            if state is not None and id(state) not in seen:
+                seen.add(id(state))
+                states.append(state)
+        return states
+
+    def _configure(self, recurse: bool, part: str, **values: Any) -> None:
+        """Set ``values`` on one part ("group", "unsharder" or "reducer") of every group in reach."""
+        for state in self._fullshard_states(recurse):
+            if state.group is not None:
+                target = state.group if part == "group" else getattr(state.group, part)
+                for name, value in values.items():
+                    setattr(target, name, value)
+
+    def unshard(self, async_op: bool = False) -> Optional[UnshardHandle]:
+        """All-gather this module's parameters now (e.g. to prefetch); they stay until ``reshard()``."""
+        state = self._fullshard_state
+        if state.group is not None:
+            state.group.unsharder.unshard()
+            state.group.unsharder.requested = True  # kept for the next forward, even across steps
+        handle = UnshardHandle(state)
+        if async_op:
+            return handle
+        handle.wait()
+        return None
+
+    def reshard(self) -> None:
+        """Free the unsharded parameters and show the sharded ones again."""
+        state = self._fullshard_state
+        if state.group is not None:
+            state.group.unsharder.reshard()
+
+    def _apply(self, *args: Any, **kwargs: Any) -> Any:
+        # to_empty(), .to(), .float() ... replace sharded parameters or their data:
+        # show the sharded ones first, then re-adopt what changed.
+        self.reshard()
+        # Past torch's FSDPModule (its _apply needs FSDP2 state) to the original class.
+        result = super(torch_fsdp.FSDPModule, self)._apply(*args, **kwargs)
+        group = self._fullshard_state.group
+        if group is not None:
+            group.refresh_sharded()
+        return result
+
+    def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
+        """False: keep accumulating unsharded gradients locally, no communication (FSDP1's ``no_sync``)."""
+        self._configure(recurse, "reducer", reduce_grads=requires_gradient_sync, all_reduce_grads=requires_gradient_sync)
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Context manager form of ``set_requires_gradient_sync(False)``."""
+        self.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            self.set_requires_gradient_sync(True)
+
+    def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
+        """HSDP: False keeps reduce-scattered partial sums (owned) and skips the replica all-reduce
+        until a backward with True. No effect on a 1-D mesh, which has no replicas."""
+        self._configure(recurse, "reducer", all_reduce_grads=requires_all_reduce)
+
+    def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True) -> None:
+        if not isinstance(reshard_after_forward, bool):
+            raise ValueError(f"reshard_after_forward must be a bool, got {type(reshard_after_forward).__name__}")
+        for state in self._fullshard_states(recurse):
+            state.reshard_after_forward = reshard_after_forward
+        self._configure(recurse, "unsharder", post_forward_group=None)
+
+    def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
+        self._configure(recurse, "group", reshard_after_backward=reshard_after_backward)
+
+    def set_is_last_backward(self, is_last_backward: bool) -> None:
+        """Accepted for FSDP2 compatibility; nothing to do: every backward already waits for its
+        reductions and keeps no prefetch state across backward passes."""
+
+    def set_modules_to_forward_prefetch(self, modules: list["FSDPModule"]) -> None:
+        """Start these modules' all-gathers right after this module's, in forward."""
+        self._fullshard_state.forward_prefetch = [_state_of(m, "set_modules_to_forward_prefetch") for m in modules]
+
+    def set_modules_to_backward_prefetch(self, modules: list["FSDPModule"]) -> None:
+        """Start these modules' all-gathers right after this module's, in backward."""
+        self._fullshard_state.backward_prefetch = [_state_of(m, "set_modules_to_backward_prefetch") for m in modules]
+
+    def set_gradient_divide_factor(self, factor: float) -> None:
+        """Divide reduced gradients by ``factor`` instead of the world size (1.0 gives a sum)."""
+        if not factor > 0:
+            raise ValueError(f"gradient divide factor must be > 0, got {factor}")
+        self._configure(True, "reducer", divide_factor=float(factor))
+
+    def set_reduce_scatter_divide_factor(self, factor: float) -> None:
+        """Deprecated in FSDP2 in favour of :meth:`set_gradient_divide_factor`, which it calls."""
+        warnings.warn(
+            "set_reduce_scatter_divide_factor is deprecated; use set_gradient_divide_factor", FutureWarning,
+            stacklevel=2,
+        )
+        self.set_gradient_divide_factor(factor)
+
+    def set_force_sum_reduction_for_comms(self, enable: bool) -> None:
+        """Accepted for FSDP2 compatibility: fullshard's collectives always sum, and divide afterwards."""
+        if not isinstance(enable, bool):
+            raise ValueError(f"set_force_sum_reduction_for_comms expects a bool, got {type(enable).__name__}")
+
+    def set_unshard_in_backward(self, unshard_in_backward: bool) -> None:
+        """False: do not all-gather this module's parameters for backward, because no backward
+        op reads them (e.g. an embedding, whose weight gradient needs only the indices)."""
+        self._configure(False, "group", unshard_in_backward=bool(unshard_in_backward))
+
+    def set_reduce_scatter_unused_params(self, reduce_scatter_unused_params: bool, *, recurse: bool = True) -> None:
+        """True: reduce a zero gradient for every parameter that got none in a backward.
+
+        Needed when ranks use different parameters in a step (conditional
+        branches, mixture of experts): every rank must take part in each
+        reduction. Each such unit that ran forward with grad enabled reduces at
+        the end of backward, in module order on every rank (holding its
+        unsharded parameters and gradients until then), and its parameters get
+        a gradient (zero where no rank had one).
+        """
+        self._configure(recurse, "reducer", reduce_unused_params=bool(reduce_scatter_unused_params))
+
+    def set_all_reduce_hook(self, hook: Callable[[torch.Tensor], None], *, stream: Any = None) -> None:
+        """Call ``hook(reduced)`` on each reduced gradient bucket of this module's group, in place,
+        before the division by the world size (after the replica all-reduce under HSDP): e.g. to
+        all-reduce across replicas fullshard does not know of. ``stream`` must be None: fullshard
+        reduces on the current stream."""
+        if stream is not None:
+            raise ValueError("set_all_reduce_hook: fullshard runs the hook on the current stream; pass stream=None")
+        if not callable(hook):
+            raise ValueError(f"set_all_reduce_hook expects a callable, got {type(hook).__name__}")
+        self._configure(False, "reducer", all_reduce_hook=hook)
+
+    def set_post_optim_event(self, event: Any) -> None:
+        """Make the next forward's all-gathers wait for ``event`` (recorded after the optimizer step).
+
+        fullshard gathers on the current stream, so this is only needed when the
+        optimizer ran on another stream; the event is used once, then dropped.
+        """
+        state = self._fullshard_state
+        (state.context or state._lazy_init_as_root()).post_optim_event = event
+
+    def reset_iter_state(self) -> None:
+        """After a forward or backward raised: drop this step's pending reductions and gradients
+        in flight, reshard every unit, so the next step starts clean (call on the root)."""
+        self._fullshard_state.reset_step()
+
+    def _ignored_hint(self, method: str) -> None:
+        warnings.warn(
+            f"{method} is a tuning hint for FSDP2's own buffers and streams; fullshard plans its "
+            "buffers and exchange itself and ignores it", UserWarning, stacklevel=3,
+        )
+
+    def set_allocate_memory_from_process_group_for_comm(self, *args: Any, **kwargs: Any) -> None:
+        self._ignored_hint("set_allocate_memory_from_process_group_for_comm")
+
+    def set_symm_mem_for_comm(self, *args: Any, **kwargs: Any) -> None:
+        self._ignored_hint("set_symm_mem_for_comm")
+
+    def set_reduce_scatter_max_input_buffers(self, *args: Any, **kwargs: Any) -> None:
+        self._ignored_hint("set_reduce_scatter_max_input_buffers")
+
+    def _set_unshard_async_op(self, *args: Any, **kwargs: Any) -> None:
+        self._ignored_hint("_set_unshard_async_op")
+
+    def _unsupported(self, method: str) -> None:
+        raise NotImplementedError(
+            f"{type(self).__name__}.{method}: fullshard chooses its own collectives for each bucket "
+            "(see fullshard.plan.exchange) and does not take user-supplied ones; drop the call"
+        )
+
+    def set_custom_all_gather(self, comm: Any) -> None:
+        self._unsupported("set_custom_all_gather")
+
+    def set_custom_reduce_scatter(self, comm: Any) -> None:
+        self._unsupported("set_custom_reduce_scatter")
+
+    def set_separate_reduce_scatter_group(self, enable: bool, *args: Any, **kwargs: Any) -> None:
+        if enable:
+            self._unsupported("set_separate_reduce_scatter_group")
+
+    def __deepcopy__(self, memo: dict) -> Any:
+        raise TypeError(
+            f"copy.deepcopy of a sharded {type(self).__name__} is not supported (nor by FSDP2): its "
+            "parameters are shards bound to process groups. Deepcopy the model before fully_shard, or "
+            "build a new one and load a state dict into it."
+        )
+
+    def _get_fsdp_state(self) -> Any:
+        """fullshard's state, whose ``_pre_forward``/``_post_forward`` take FSDP2's arguments: torch's own
+        ``register_fsdp_forward_method`` works on fullshard modules. Nothing else of FSDP2's state exists."""
+        return self._fullshard_state
+
+
+def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
+    """Make ``module.<method_name>`` (e.g. ``generate``) gather and free parameters like ``forward``.
+
+    Only ``forward`` runs through module hooks; other methods that use the
+    parameters need this (FSDP2 has the same function).
+    """
+    if not hasattr(module, "_fullshard_state"):
+        return  # as in FSDP2: a no-op for a module that is not sharded, so the same code runs without fullshard
+    if not callable(getattr(module, method_name, None)):
+        raise ValueError(f"register_fsdp_forward_method: {type(module).__name__} has no method '{method_name}'")
+    state = module._fullshard_state
+    method = getattr(module, method_name)
+
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        args, kwargs = state._pre_forward(module, args, kwargs)
+        return state._post_forward(module, args, method(*args, **kwargs))
+
+    setattr(module, method_name, wrapped)
+
+
+def _state_of(module: Any, caller: str) -> ShardState:
+    state = getattr(module, "_fullshard_state", None)
+    if state is None:
+        raise ValueError(f"{caller}: {type(module).__name__} is not an FSDPModule; apply fully_shard to it first")
+    return state
+
+
