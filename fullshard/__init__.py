@@ -20,6 +20,8 @@ _EXPORTS = {
     "set_check_finite": "fullshard.torch.checks",
     "set_check_inputs": "fullshard.torch.checks",
     "memory_report": "fullshard.torch.accounting",
+    "clip_grad_norm_": "fullshard.torch.clip",
+    "DataParallelMeshDims": "fullshard.torch.spmd",
     "reset_traffic": "fullshard.torch.accounting",
 }
 __all__ = sorted(_EXPORTS)

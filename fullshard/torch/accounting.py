@@ -13,6 +13,7 @@ from typing import Optional
 
 import torch
 import torch.nn as nn
+from torch.distributed.tensor import DTensor
 
 from fullshard.core.traffic import reset_traffic, traffic_bytes
 from fullshard.plan.strategy import per_rank_theory
@@ -74,7 +75,9 @@ def memory_report(model: nn.Module, optimizer: Optional[torch.optim.Optimizer] =
     if len(strategies) == 1 and states and states[0].group is not None:
         strategy = strategies.pop()
         world = states[0].group.world
-        num_params = sum(p.numel() for p in params)
+        # tensor-parallel parameters count their local part: what data parallelism shards
+        num_params = sum(p.layout.numel for p in managed) + sum(p.to_local().numel() if isinstance(p, DTensor)
+                                                                else p.numel() for p in params[len(managed):])
         largest = max(sum(p.layout.numel for p in s.group.params) for s in states if s.group is not None)
         root = next((s for s in states if s.is_root), states[0])
         root_params = sum(p.layout.numel for p in root.group.params) if root.group is not None else 0

@@ -23,6 +23,7 @@ from fullshard.torch import fsdp2_views
 from fullshard.torch.group import ParamGroup
 from fullshard.torch.module import FSDP_CLASSES, FSDPModule, UnshardHandle, register_fsdp_forward_method  # noqa: F401
 from fullshard.torch.param import ShardedParam
+from fullshard.torch.spmd import data_parallel_mesh, sharded_spec
 from fullshard.torch.state import ShardState
 
 # Parameters already taken over by some fully_shard call (the originals and
@@ -54,17 +55,23 @@ def _default_mesh() -> DeviceMesh:
 _POST_FORWARD_MESHES: dict[tuple, DeviceMesh] = {}
 
 
-def _post_forward_group(mesh: DeviceMesh, size: int) -> dist.ProcessGroup:
+def _post_forward_group(mesh: DeviceMesh, shard_dim: int, size: int) -> dist.ProcessGroup:
     """This rank's block of ``size`` consecutive ranks of its shard group, where backward gathers.
 
-    The groups of every block are made at once, by every rank, as a DeviceMesh
-    of shape ``(-1, size)`` makes them: a group made by its members only
-    (``use_local_synchronization``) is not supported by every process group
-    (torch's threaded test group fails in it, then hangs).
+    The groups of every block are made at once, by every rank of the whole
+    (root) mesh, as a DeviceMesh of blocks makes them: the shard dim moved
+    last, every other dim (HSDP replicas, tensor parallelism) folded into the
+    rows. A group made by its members only (``use_local_synchronization``) is
+    not supported by every process group (torch's threaded test group fails in
+    it, then hangs), and one made from the data-parallel sub-mesh alone would
+    leave out the other tensor-parallel ranks' blocks.
     """
-    key = (mesh.device_type, tuple(mesh.mesh.flatten().tolist()), size)
+    root = mesh._get_root_mesh()
+    index = shard_dim if root is mesh else root.mesh_dim_names.index(mesh.mesh_dim_names[shard_dim])
+    blocks = root.mesh.movedim(index, -1).reshape(-1, size)
+    key = (mesh.device_type, tuple(blocks.flatten().tolist()), size)
     if key not in _POST_FORWARD_MESHES:
-        _POST_FORWARD_MESHES[key] = DeviceMesh(mesh.device_type, mesh.mesh.reshape(-1, size))
+        _POST_FORWARD_MESHES[key] = DeviceMesh(mesh.device_type, blocks)
     return _POST_FORWARD_MESHES[key].get_group(1)
 
 
@@ -113,6 +120,7 @@ def fully_shard(
     mp_policy: Any = MixedPrecisionPolicy(),
     offload_policy: Any = OffloadPolicy(),
     ignored_params: Optional[set[nn.Parameter]] = None,
+    dp_mesh_dims: Any = None,
     strategy: Union[str, Strategy] = Strategy.OPTIM_GRADS_PARAMS,
 ) -> Union[nn.Module, list[nn.Module]]:
     """Shard ``module``'s parameters across ``mesh`` (ZeRO-3), FSDP2-compatible.
@@ -122,6 +130,11 @@ def fully_shard(
     they are all-gathered in ``mp_policy.param_dtype``; after backward their
     gradients are reduce-scattered in ``mp_policy.reduce_dtype`` and averaged.
     A list of modules forms one communication group. Returns ``module``.
+
+    Parameters that are DTensors already (tensor parallelism) are sharded
+    further across ``mesh``'s data-parallel dims; with ``dp_mesh_dims``,
+    ``mesh`` is the whole SPMD mesh and names which of its dims those are
+    (see ``fullshard.torch.spmd``).
 
     ``strategy`` (beyond FSDP2) names how much is sharded: ``"no_shard"``
     (replicate, like DDP), ``"optim"`` (ZeRO-1), ``"optim_grads"`` (ZeRO-2) or
@@ -157,22 +170,24 @@ def fully_shard(
             "or an int (the size of the group to reshard to after forward)"
         )
     mesh = mesh if mesh is not None else _default_mesh()
-    if mesh.ndim not in (1, 2):
-        raise ValueError(
-            f"fully_shard({name}): mesh must be 1-D (shard) or 2-D (replicate, shard) for HSDP, "
-            f"got {mesh.ndim}-D with dims {mesh.mesh_dim_names}"
-        )
-    if mesh.ndim == 2 and replicated:
+    # The last mesh dim shards; a leading dim (HSDP) replicates and all-reduces gradients.
+    dp = data_parallel_mesh(mesh, dp_mesh_dims, name)
+    if dp.shard_dim is None:  # dp_mesh_dims(replicate=...) only: replicas, as with no_shard
+        strategy, replicated = Strategy.NO_SHARD, True
+    elif replicated and dp.replicate_dim is not None:
         raise ValueError(
             f"fully_shard({name}): strategy 'no_shard' replicates over the whole mesh; pass a 1-D mesh"
         )
     device = _mesh_device(mesh)
     pin_memory = offload.pin_memory if isinstance(offload, CPUOffloadPolicy) else None
-    # The last mesh dim shards; a leading dim (HSDP) replicates and all-reduces gradients.
-    shard_dim = mesh.ndim - 1
-    rank, world = mesh.get_local_rank(shard_dim), mesh.size(shard_dim)
+    rank, world = dp.shard_rank, dp.shard_size
     post_forward_size = None
     if isinstance(reshard_after_forward, int) and not isinstance(reshard_after_forward, bool):
+        if dp.spmd:
+            raise ValueError(
+                f"fully_shard({name}): reshard_after_forward={reshard_after_forward} (an int) is not supported "
+                "with dp_mesh_dims; use True or False"
+            )
         size = reshard_after_forward
         if size < 1 or world % size:
             raise ValueError(
@@ -224,7 +239,9 @@ def fully_shard(
                 f"fully_shard({name}): shard_placement_fn returned Shard({placement.dim}) for '{fqn}' of "
                 f"shape {tuple(param.shape)}; the dim must be in [-{param.dim()}, {param.dim() - 1}]"
             )
-        plans.append((param, fqn, ShardLayout(tuple(param.shape), dim, 1 if replicated else world)))
+        spec = sharded_spec(param, fqn, name, dp, dim, replicated)
+        local_shape = param._local_tensor.shape if isinstance(param, DTensor) else param.shape
+        plans.append((param, fqn, spec, ShardLayout(tuple(local_shape), dim, 1 if replicated else world)))
 
     # Everything is validated: from here on the modules are changed.
     for m in modules:
@@ -232,11 +249,12 @@ def fully_shard(
             if buffer.device != device and buffer.device.type != "meta":
                 m.get_submodule(buffer_name.rpartition(".")[0])._buffers[buffer_name.rpartition(".")[2]] = buffer.to(device)
     sharded = []
-    for param, fqn, layout in plans:
+    for param, fqn, spec, layout in plans:
         holders = [(owner, attr) for owner, attr, _ in owners[id(param)]]
         sharded.append(
             ShardedParam(
-                param, holders, fqn, layout, mesh, rank, device, mp.param_dtype, replicated, pin_memory, mp.main_dtype
+                param, holders, fqn, layout, spec, 0 if replicated else rank, device, mp.param_dtype, pin_memory,
+                mp.main_dtype,
             )
         )
         _mark_managed(param)
@@ -245,12 +263,12 @@ def fully_shard(
     group = None
     if sharded:
         group = ParamGroup(
-            sharded, mesh.get_group(shard_dim), mp.reduce_dtype, name,
-            replicate_group=mesh.get_group(0) if mesh.ndim == 2 else None,
+            sharded, dp.shard_group, mp.reduce_dtype, name,
+            replicate_group=dp.replicate_group,
             all_reduce=flags.all_reduce, reshard_after_backward=flags.reshard_after_backward,
         )
         if post_forward_size is not None:
-            group.unsharder.post_forward_group = _post_forward_group(mesh, post_forward_size)
+            group.unsharder.post_forward_group = _post_forward_group(mesh, dp.shard_dim, post_forward_size)
     state = ShardState(modules, group, mp, reshard_after_forward, strategy)
     for m in modules:
         m._fullshard_state = state

@@ -69,7 +69,7 @@ class GradReducer:
         """Autograd summed a gradient into an unsharded parameter."""
         param = self.params[index]
         if checks.check_finite_enabled():
-            checks.inspect(param.fqn, param.unsharded.grad)
+            checks.inspect(param.fqn, param.local_grad(param.unsharded.grad))
         reduce_dtype = self.plan.reduce_dtype(param)
         if not self.reduce_grads and param.compute_dtype != reduce_dtype:
             # Accumulating without sync: sum in the reduce dtype (e.g. fp32 for bf16 compute).

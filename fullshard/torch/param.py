@@ -14,11 +14,12 @@ from typing import Optional
 
 import torch
 import torch.nn as nn
-from torch.distributed.tensor import DeviceMesh, DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from fullshard.torch import buffers
 from fullshard.torch.buffers import Owned
 from fullshard.plan import ShardLayout, stores_padded_chunk
+from fullshard.torch.spmd import ShardedSpec
 
 
 def _contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
@@ -38,24 +39,22 @@ class ShardedParam:
         owners: list[tuple[nn.Module, str]],
         fqn: str,
         layout: ShardLayout,
-        mesh: DeviceMesh,
+        spec: ShardedSpec,
         rank: int,
         device: torch.device,
         compute_dtype: Optional[torch.dtype],
-        replicated: bool = False,
         offload_pin_memory: Optional[bool] = None,
         main_dtype: Optional[torch.dtype] = None,
     ) -> None:
         self.local_fqn = fqn  # relative to the module fully_shard was applied to
         self.fqn = fqn  # from the root, once the root is known (ParamGroup.rename)
         self.owners = owners  # (module, attribute) pairs: several for tied parameters
+        # The layout is of the local tensor: the parameter itself, or a DTensor parameter's local
+        # part (tensor parallelism), which is what data parallelism shards (see spmd.py).
         self.layout = layout
-        self.mesh = mesh
-        # no_shard keeps a full replica per rank: a layout over a world of one,
-        # shown as a Replicate() DTensor. On a 2-D (HSDP) mesh the leading dim replicates.
-        own = Replicate() if replicated else Shard(layout.dim)
-        self.placements = (Replicate(),) * (mesh.ndim - 1) + (own,)
-        self.rank = 0 if replicated else rank
+        self.spec = spec
+        self.mesh, self.placements = spec.mesh, spec.placements
+        self.rank = rank  # in the shard group; 0 for no_shard's replicas (a layout over a world of one)
         self.device = device  # where the unsharded parameter computes (the mesh's device)
         # CPU offload keeps shards (and so gradients and optimizer state) in CPU
         # memory, pinned for fast copies when asked and possible.
@@ -74,6 +73,7 @@ class ShardedParam:
         # prefix view of it, so a lone same-dtype all-gather can read it directly.
         self.padded_chunk: Optional[torch.Tensor] = None
         self.unsharded: Optional[nn.Parameter] = None
+        self.unsharded_data: Optional[torch.Tensor] = None  # its plain local tensor (fullshard's storage)
         # Set when the unsharded parameter has storage of its own (copy-out path);
         # None when it is a view of its bucket's all-gather output.
         self.unsharded_storage: Optional[Owned] = None
@@ -83,7 +83,7 @@ class ShardedParam:
         # when it differs from the compute dtype (owned; see accumulate_grad_in).
         self.grad_accumulator: Optional[Owned] = None
         with torch.no_grad():
-            full = param.detach()
+            full = param._local_tensor.detach() if isinstance(param, DTensor) else param.detach()
             if full.device != self.storage_device and full.device.type != "meta":
                 full = full.to(self.storage_device)
             full = full.to(self.stored_dtype)
@@ -111,14 +111,13 @@ class ShardedParam:
         return local.contiguous().clone()
 
     def _install_sharded(self, local: torch.Tensor) -> None:
-        layout = self.layout
         dtensor = DTensor.from_local(
             local,
             self.mesh,
             self.placements,
             run_check=False,
-            shape=torch.Size(layout.shape),
-            stride=_contiguous_stride(layout.shape),
+            shape=self.spec.shape,
+            stride=_contiguous_stride(self.spec.shape),
         )
         self.sharded = nn.Parameter(dtensor, requires_grad=self.requires_grad)
         # The parameter's own local tensor (from_local and Parameter each make a view of
@@ -142,11 +141,11 @@ class ShardedParam:
             return False
         if current is not None and current is self.unsharded:
             return False  # shown by an explicit unshard(); the sharded parameter is the one kept here
-        if not isinstance(current, DTensor) or tuple(current.shape) != self.layout.shape:
+        if not isinstance(current, DTensor) or current.shape != self.spec.shape:
             raise RuntimeError(
                 f"parameter '{self.fqn}' was replaced by a {type(current).__name__} of shape "
                 f"{tuple(getattr(current, 'shape', ()))}; after fully_shard it must stay a DTensor "
-                f"of shape {self.layout.shape} sharded like the original. Load full tensors with "
+                f"of shape {tuple(self.spec.shape)} sharded like the original. Load full tensors with "
                 "load_state_dict (without assign=True) instead."
             )
         if tuple(current.placements) != self.placements:
@@ -182,13 +181,34 @@ class ShardedParam:
         return self.sharded._version, self.sharded._local_tensor._version
 
     def full_to_sharded(self, full: torch.Tensor) -> DTensor:
-        """This rank's DTensor shard of a full (plain) tensor of the parameter's shape."""
-        layout = self.layout
+        """This rank's DTensor shard of a full (plain) tensor of the parameter's global shape."""
+        layout, own = self.layout, self.spec.unsharded
+        if own is not None:  # the parameter's own part first (no communication: every rank has `full`)
+            full = distribute_tensor(full, own.mesh, own.placements, src_data_rank=None).to_local()
         local = full.narrow(layout.dim, layout.local_offset(self.rank), layout.local_length(self.rank))
         return DTensor.from_local(
             local.to(self.storage_device), self.mesh, self.placements, run_check=False,
-            shape=torch.Size(layout.shape), stride=_contiguous_stride(layout.shape),
+            shape=self.spec.shape, stride=_contiguous_stride(self.spec.shape),
         )
+
+    def make_unsharded(self, data: torch.Tensor) -> nn.Parameter:
+        """The unsharded parameter over ``data`` (fullshard's storage): a plain tensor, or for a DTensor
+        parameter its own DTensor (e.g. tensor parallel) whose local tensor is ``data``."""
+        self.unsharded_data = data
+        if self.spec.unsharded is not None:
+            data = DTensor(data, self.spec.unsharded_spec(data.dtype), requires_grad=False)
+        self.unsharded = nn.Parameter(data, requires_grad=self.requires_grad)
+        return self.unsharded
+
+    def local_grad(self, grad: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+        """The local tensor of an unsharded gradient, placed like the parameter's own DTensor (what
+        data parallelism reduces); a plain gradient as it is."""
+        if not isinstance(grad, DTensor):
+            return grad
+        target = self.spec.grad_placements(grad.placements)
+        if grad.placements != target:
+            grad = grad.redistribute(grad.device_mesh, target)
+        return grad._local_tensor
 
     def register_sharded(self) -> None:
         for module, name in self.owners:
@@ -216,8 +236,8 @@ class ShardedParam:
                 self.mesh,
                 self.placements,
                 run_check=False,
-                shape=torch.Size(self.layout.shape),
-                stride=_contiguous_stride(self.layout.shape),
+                shape=self.spec.shape,
+                stride=_contiguous_stride(self.spec.shape),
             )
         # Autograd never accumulates into the sharded parameter (modules compute with the
         # unsharded one), so the hooks registered on it are fullshard's to run.
@@ -241,7 +261,7 @@ class ShardedParam:
         """Take the unsharded gradient: autograd's, summed into the accumulator if there is one."""
         grad = None
         if self.unsharded is not None:
-            grad, self.unsharded.grad = self.unsharded.grad, None
+            grad, self.unsharded.grad = self.local_grad(self.unsharded.grad), None
         if self.grad_accumulator is not None:
             if grad is not None:
                 with torch.no_grad():
@@ -252,7 +272,7 @@ class ShardedParam:
 
     def accumulate_grad_in(self, dtype: torch.dtype, label: str) -> None:
         """Move autograd's gradient into an owned accumulator of ``dtype`` (accumulation without sync)."""
-        grad, self.unsharded.grad = self.unsharded.grad, None
+        grad, self.unsharded.grad = self.local_grad(self.unsharded.grad), None
         if grad is None:
             return
         with torch.no_grad():

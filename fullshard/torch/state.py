@@ -139,7 +139,7 @@ class ShardState:
                     continue
                 key = f"{prefix}{paths[id(owner)]}.{attr}" if paths[id(owner)] else f"{prefix}{attr}"
                 value = state_dict.get(key)
-                if isinstance(value, torch.Tensor) and not isinstance(value, DTensor) and tuple(value.shape) == param.layout.shape:
+                if isinstance(value, torch.Tensor) and not isinstance(value, DTensor) and value.shape == param.spec.shape:
                     state_dict[key] = param.full_to_sharded(value)
 
     # ------------------------------------------------------------------ lazy init

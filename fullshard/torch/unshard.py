@@ -21,7 +21,6 @@ from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
-import torch.nn as nn
 
 from fullshard.plan import Unsharded
 from fullshard.torch import buffers
@@ -159,14 +158,14 @@ class Unsharder:
         return buffers.allocate(bucket.total_numel, dtype, device, f"all-gather output of {plan.labels[index]}")
 
     def _make_unsharded(self, param: ShardedParam, data: torch.Tensor) -> None:
-        param.unsharded = nn.Parameter(data, requires_grad=param.requires_grad)
+        param.make_unsharded(data)
         if param.requires_grad:
             # The hook lives in C++ on the tensor, out of reach of Python's cycle
             # collector: a strong reference back to the group would keep the
             # whole model alive forever once it is dropped.
             callback, index = weakref.WeakMethod(self._on_grad_accumulated), self.params.index(param)
 
-            def on_grad_accumulated(_unsharded: nn.Parameter) -> None:
+            def on_grad_accumulated(_unsharded: torch.Tensor) -> None:
                 method = callback()
                 if method is not None:
                     method(index)
@@ -214,7 +213,7 @@ class Unsharder:
                     f"post-forward chunks of {plan.labels[index]}",
                 )
                 pack_rank_chunks(kept.writable("keep chunks after forward"), bucket, members,
-                                 [p.unsharded.detach() for p in members], ranks)
+                                 [p.unsharded_data for p in members], ranks)
                 self._kept.append(kept)
         self.reshard()
 
