@@ -278,3 +278,12 @@ def fully_shard(
             FSDP_CLASSES[cls] = type(f"FSDP{cls.__name__}", (FSDPModule, cls), {})
         m.__class__ = FSDP_CLASSES[cls]
     return module
+
+
+def _state(module: nn.Module) -> Optional[ShardState]:
+    """``fully_shard.state(module)``: fullshard's state of a sharded module (None for any other), as FSDP2's
+    ``fully_shard.state`` gives its own."""
+    return getattr(module, "_fullshard_state", None)
+
+
+fully_shard.state = _state

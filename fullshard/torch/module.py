@@ -9,6 +9,9 @@ import torch
 import torch.nn as nn
 from torch.distributed import fsdp as torch_fsdp
 
+# torch's own classes, taken once at import (see policies.py for why not at call time).
+_TORCH_FSDP_MODULE = torch_fsdp.FSDPModule
+
 from fullshard.torch.state import ShardState
 
 
@@ -83,7 +86,7 @@ class FSDPModule(torch_fsdp.FSDPModule):
         # show the sharded ones first, then re-adopt what changed.
         self.reshard()
         # Past torch's FSDPModule (its _apply needs FSDP2 state) to the original class.
-        result = super(torch_fsdp.FSDPModule, self)._apply(*args, **kwargs)
+        result = super(_TORCH_FSDP_MODULE, self)._apply(*args, **kwargs)
         group = self._fullshard_state.group
         if group is not None:
             group.refresh_sharded()

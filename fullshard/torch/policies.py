@@ -50,20 +50,20 @@ class CPUOffloadPolicy(OffloadPolicy):
     pin_memory: bool = True
 
 
-def _torch_fsdp_api():
-    try:
-        from torch.distributed.fsdp import _fully_shard as api  # torch >= 2.6
-    except ImportError:  # pragma: no cover - very old torch
-        return None
-    return api
+# torch's own policy classes, taken once at import: code that later swaps names in
+# torch.distributed.fsdp (a test harness running FSDP2's suite on fullshard) must not change them.
+from torch.distributed.fsdp import _fully_shard as _torch_api  # noqa: E402
+
+_TORCH_MP, _TORCH_OFFLOAD, _TORCH_CPU_OFFLOAD = (
+    _torch_api.MixedPrecisionPolicy, _torch_api.OffloadPolicy, _torch_api.CPUOffloadPolicy,
+)
 
 
 def as_mp_policy(policy: object, module_name: str) -> MixedPrecisionPolicy:
     if isinstance(policy, MixedPrecisionPolicy):
         result = policy
     else:
-        api = _torch_fsdp_api()
-        if api is None or not isinstance(policy, api.MixedPrecisionPolicy):
+        if not isinstance(policy, _TORCH_MP):
             raise TypeError(
                 f"fully_shard({module_name}): mp_policy must be a fullshard.MixedPrecisionPolicy "
                 f"or torch's MixedPrecisionPolicy, got {type(policy).__name__}"
@@ -84,10 +84,9 @@ def as_mp_policy(policy: object, module_name: str) -> MixedPrecisionPolicy:
 def as_offload_policy(policy: object, module_name: str) -> OffloadPolicy:
     if isinstance(policy, OffloadPolicy):
         return policy
-    api = _torch_fsdp_api()
-    if api is not None and isinstance(policy, api.CPUOffloadPolicy):
+    if isinstance(policy, _TORCH_CPU_OFFLOAD):
         return CPUOffloadPolicy(pin_memory=policy.pin_memory)
-    if api is not None and isinstance(policy, api.OffloadPolicy):
+    if isinstance(policy, _TORCH_OFFLOAD):
         return OffloadPolicy()
     raise TypeError(
         f"fully_shard({module_name}): offload_policy must be a fullshard.OffloadPolicy / "
