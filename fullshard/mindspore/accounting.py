@@ -17,6 +17,7 @@ from mindspore import nn
 
 from fullshard.core.traffic import reset_traffic, traffic_bytes
 from fullshard.mindspore.buffers import comm_bytes
+from fullshard.mindspore.policies import dtype_bytes
 from fullshard.plan.backends import carried_traffic
 from fullshard.plan.strategy import bytes_sent_per_rank, per_rank_theory
 
@@ -67,10 +68,9 @@ def memory_report(cell: nn.Cell, optimizer: Optional[nn.Optimizer] = None) -> di
         largest = max(sum(p.layout.numel for g in s.groups for p in g.params) for s in states)
         root = next((s for s in states if s.is_root), states[0])
         root_params = sum(p.layout.numel for g in root.groups for p in g.params)
-        param_bytes = sample.sharded.itemsize
-        compute_bytes = sample.compute_dtype.itemsize if hasattr(sample.compute_dtype, "itemsize") else param_bytes
-        reduce_bytes = group.plan.wire_dtype(group.plan.reduce_dtype(sample)).itemsize if hasattr(
-            group.plan.wire_dtype(group.plan.reduce_dtype(sample)), "itemsize") else param_bytes
+        param_bytes = dtype_bytes(sample.stored_dtype)
+        compute_bytes = dtype_bytes(sample.compute_dtype)
+        reduce_bytes = dtype_bytes(group.plan.wire_dtype(group.plan.reduce_dtype(sample)))
         optim_bytes = 2 * param_bytes if isinstance(optimizer, (nn.Adam, nn.AdamWeightDecay)) else 0
         theory = per_rank_theory(
             strategy, world, num_params, largest, root_params, param_bytes=param_bytes, optim_bytes=optim_bytes,

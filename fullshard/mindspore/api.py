@@ -43,6 +43,11 @@ def _owners_of_params(cells: list[nn.Cell]) -> tuple[dict[int, list[tuple[nn.Cel
     return owners, params
 
 
+def _display_name(cell: nn.Cell) -> str:
+    """The cell's own class name, also once fully_shard swapped in FSDP<Class>(FSDPModule, Class)."""
+    return type(cell).__mro__[2].__name__ if isinstance(cell, FSDPModule) else type(cell).__name__
+
+
 def _all_params(cells: list[nn.Cell]) -> dict[int, Parameter]:
     """Every parameter reachable from ``cells``, sharded units below included."""
     found = {}
@@ -98,7 +103,7 @@ def fully_shard(
     * ``comm_fusion``: small parameters of one group share one collective.
     """
     cells = list(cell) if isinstance(cell, (list, tuple)) else [cell]
-    name = ", ".join(type(c).__name__ for c in cells)
+    name = ", ".join(_display_name(c) for c in cells)
     if not in_pynative_mode():
         raise RuntimeError(
             f"fully_shard({name}) runs in PyNative mode only; call ms.set_context(mode=ms.PYNATIVE_MODE) first"
@@ -114,7 +119,7 @@ def fully_shard(
             )
         if hasattr(c, STATE_ATTR):
             raise ValueError(
-                f"fully_shard was already applied to {type(c).__name__}; apply it once per cell "
+                f"fully_shard was already applied to {_display_name(c)}; apply it once per cell "
                 "(children first, then parents)"
             )
     try:

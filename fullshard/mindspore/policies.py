@@ -6,6 +6,8 @@ from typing import Any, Optional
 
 import mindspore as ms
 
+from fullshard.plan.exchange import DTYPE_BYTES
+
 FLOAT_DTYPES = (ms.float16, ms.bfloat16, ms.float32, ms.float64)
 
 
@@ -16,6 +18,10 @@ def dtype_name(dtype: Any) -> str:
 
 def dtype_named(name: str) -> Any:
     return getattr(ms, name)
+
+
+def dtype_bytes(dtype: Any) -> int:
+    return DTYPE_BYTES[dtype_name(dtype)]
 
 
 @dataclass(frozen=True)
