@@ -59,10 +59,26 @@ def test_out_of_place_collectives_never_pack_into_an_output():
         assert not plan_gather(_lone(layout), (layout,), True, exchange, MINDSPORE_RUNTIME).packs_into_output
 
 
-def test_prefix_and_fused_layouts_keep_their_unsharded_kind_on_mindspore():
-    even, dim1 = ShardLayout((8, 4), 0, 2), ShardLayout((4, 9), 1, 2)
-    assert plan_gather(_lone(even), (even,), False, runtime=MINDSPORE_RUNTIME).unsharded is Unsharded.VIEW_OF_OUTPUT
-    assert plan_gather(_lone(dim1), (dim1,), False, runtime=MINDSPORE_RUNTIME).unsharded is Unsharded.OWN_STORAGE
+@pytest.mark.parametrize(
+    "shape, dim, bit_cast, torch_kind, mindspore_kind",
+    [
+        ((8, 4), 0, False, Unsharded.VIEW_OF_OUTPUT, Unsharded.OUTPUT),  # gathered straight into its shape
+        ((7, 4), 0, False, Unsharded.VIEW_OF_OUTPUT, Unsharded.OWN_STORAGE),  # padding: a slice would be a view
+        ((8, 4), 0, True, Unsharded.VIEW_OF_OUTPUT, Unsharded.OWN_STORAGE),  # bf16 read back from fp16 bits: a view
+        ((1, 8), 1, False, Unsharded.VIEW_OF_OUTPUT, Unsharded.OWN_STORAGE),  # prefix, but not along dim 0
+        ((4, 9), 1, False, Unsharded.OWN_STORAGE, Unsharded.OWN_STORAGE),
+    ],
+)
+def test_mindspore_never_hands_out_a_view_it_must_reclaim(shape, dim, bit_cast, torch_kind, mindspore_kind):
+    """A view given to MindSpore's autograd keeps its data alive whatever is resized (test_mindspore_facts)."""
+    layout = ShardLayout(shape, dim, 2)
+    assert plan_gather(_lone(layout), (layout,), False).unsharded is torch_kind
+    assert plan_gather(_lone(layout), (layout,), False, runtime=MINDSPORE_RUNTIME, bit_cast=bit_cast).unsharded \
+        is mindspore_kind
+
+
+def test_fused_buckets_copy_out_on_mindspore():
+    even = ShardLayout((8, 4), 0, 2)
     fused = plan_buckets([even, even], 1 << 20)[0]
     plan = plan_gather(fused, (even, even), False, runtime=MINDSPORE_RUNTIME)
     assert (plan.input, plan.unsharded) == (Ownership.OWNED, Unsharded.OWN_STORAGE)

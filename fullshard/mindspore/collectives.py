@@ -47,7 +47,8 @@ def pack_shards(bucket: BucketLayout, params: Sequence[ShardedParam], dtype: Any
 
 
 def unpack_member(flat: Tensor, bucket: BucketLayout, index: int, param: ShardedParam) -> Tensor:
-    """Member ``index``'s full tensor out of a rank-major all-gather output, padding dropped: new storage."""
+    """Member ``index``'s full tensor out of a rank-major all-gather output, padding dropped: new storage
+    (``mint.cat`` allocates even for one piece)."""
     layout = param.layout
     start = bucket.offsets[index]
     rows = flat.reshape(bucket.world, bucket.chunk_numel)
@@ -81,29 +82,34 @@ def _from_carrier(flat: Tensor, dtype: Any, bit_cast: bool, transient: list, lab
 def gather_bucket(plan: GroupPlan, index: int, comm: Comm) -> list[Owned]:
     """All-gather one bucket; each member's unsharded tensor, in the compute dtype, as owned storage.
 
-    Lone prefix layouts are a view of the all-gather output, which is then
-    that parameter's storage; the others are copied out of it.
+    A lone dim-0 shard without padding gathers straight into the parameter's shape: the output is the
+    unsharded parameter (``Unsharded.OUTPUT``). The others travel as flat padded chunks and are copied
+    out of the output into tensors of their own (never views: ``RuntimeFacts.reclaims_views``).
     """
     bucket, gather, members = plan.buckets[index], plan.gather_plans[index], plan.members(index)
     label = plan.labels[index]
     dtype = members[0].compute_dtype
     carrier, bit_cast = plan.gather_carrier(index)
+    whole = gather.unsharded is Unsharded.OUTPUT
     lent = [buffers.borrow(p.sharded, f"sharded parameter '{p.fqn}'") for p in members]
     transient: list[Optional[Owned | Borrowed]] = []
     try:
         if gather.input is Ownership.BORROWED:
-            transient.append(buffers.borrow(members[0].sharded.reshape(-1), f"all-gather input of {label}"))
-            source = transient[-1].tensor
+            shard = members[0].sharded
+            transient.append(buffers.borrow(shard if whole else shard.reshape(-1), f"all-gather input of {label}"))
+        elif whole:  # lone, unpadded: only a cast, which allocates
+            transient.append(buffers.adopt(members[0].sharded.astype(dtype), f"all-gather input of {label}"))
         else:
             transient.append(buffers.adopt(pack_shards(bucket, members, dtype), f"all-gather input of {label}"))
-            source = transient[-1].tensor
-        source = _to_carrier(source, carrier, bit_cast, transient, label)
-        flat = _from_carrier(transport.all_gather(plan.collectives.gather, source, comm, label), dtype, bit_cast,
-                             transient, label)
-        if gather.unsharded is Unsharded.VIEW_OF_OUTPUT:
+        source = _to_carrier(transient[-1].tensor, carrier, bit_cast, transient, label)
+        flat = transport.all_gather(plan.collectives.gather, source, comm, label)
+        if whole:
             param = members[0]
-            full = flat[: param.layout.numel].reshape(param.layout.shape)
-            return [buffers.adopt(full, f"unsharded parameter '{param.fqn}' of cell '{plan.module_name}'", working=True)]
+            if flat.dtype != dtype:  # widened on the wire: narrowing back allocates the parameter's own tensor
+                transient.append(buffers.adopt(flat, f"widened all-gather output of {label}"))
+                flat = flat.astype(dtype)
+            return [buffers.adopt(flat, f"unsharded parameter '{param.fqn}' of cell '{plan.module_name}'", working=True)]
+        flat = _from_carrier(flat, dtype, bit_cast, transient, label)
         transient.append(buffers.adopt(flat, f"all-gather output of {label}"))
         return [
             buffers.adopt(unpack_member(flat, bucket, i, p), f"unsharded parameter '{p.fqn}' of cell '{plan.module_name}'",

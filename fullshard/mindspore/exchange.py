@@ -44,7 +44,7 @@ def _primitive(kind: str, group: str):
 
 
 def all_gather(exchange: Exchange, chunk: Tensor, comm: Comm, label: str) -> Tensor:
-    """Every rank's ``chunk`` (1-D, the same length everywhere) back to back, rank-major, in new storage."""
+    """Every rank's ``chunk`` (the same shape everywhere) concatenated along dim 0, rank-major, in new storage."""
     if exchange is Exchange.LOCAL:
         return chunk.copy()
     if exchange is Exchange.COLLECTIVE:
@@ -54,8 +54,9 @@ def all_gather(exchange: Exchange, chunk: Tensor, comm: Comm, label: str) -> Ten
     if exchange is not Exchange.ZERO_FILLED_ALL_REDUCE:
         raise ValueError(f"all-gather of {label}: the MindSpore runtime has no {exchange.value} exchange")
     # Zero everywhere but this rank's chunk; the sum over the group is then every rank's chunk in place.
-    n = chunk.shape[0]
-    parts = [ops.zeros((comm.rank * n,), chunk.dtype), chunk, ops.zeros(((comm.size - comm.rank - 1) * n,), chunk.dtype)]
+    rows, rest = chunk.shape[0], tuple(chunk.shape[1:])
+    before, after = comm.rank * rows, (comm.size - comm.rank - 1) * rows
+    parts = [ops.zeros((before,) + rest, chunk.dtype), chunk, ops.zeros((after,) + rest, chunk.dtype)]
     filled = buffers.adopt(mint.cat([p for p in parts if p.shape[0]]), f"zero-filled all-gather buffer of {label}")
     try:
         out = _primitive("all_reduce", comm.group)(filled.tensor)

@@ -33,12 +33,12 @@ class GroupPlan:
         # Only parameters of the same dtypes and trainability share a buffer.
         kinds = tuple((p.stored_dtype, p.compute_dtype, p.requires_grad) for p in params)
         self.buckets = plan_buckets(self.layouts, fuse_below_numel, kinds)
+        self.labels = [self._label(b.members) for b in self.buckets]
         self.gather_plans: list[GatherPlan] = [
             plan_gather(b, self.layouts, cast_needed=params[b.members[0]].converts_for_compute,
-                        exchange=collectives.gather, runtime=MINDSPORE_RUNTIME)
-            for b in self.buckets
+                        exchange=collectives.gather, runtime=MINDSPORE_RUNTIME, bit_cast=self.gather_carrier(i)[1])
+            for i, b in enumerate(self.buckets)
         ]
-        self.labels = [self._label(b.members) for b in self.buckets]
 
     def members(self, index: int) -> list[ShardedParam]:
         return [self.params[i] for i in self.buckets[index].members]

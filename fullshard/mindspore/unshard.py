@@ -29,7 +29,6 @@ from fullshard.mindspore.collectives import gather_bucket
 from fullshard.mindspore.exchange import Comm
 from fullshard.mindspore.group_plan import GroupPlan
 from fullshard.mindspore.param import ShardedParam
-from fullshard.plan import Unsharded
 
 
 class GroupState(enum.Enum):
@@ -92,8 +91,6 @@ class Unsharder:
         members = self.plan.members(index)
         if not self.replicated:
             storage = gather_bucket(self.plan, index, self.comm)
-            if self.plan.gather_plans[index].unsharded is Unsharded.VIEW_OF_OUTPUT:
-                return Gathered(index, (storage[0].tensor,), storage)
             return Gathered(index, tuple(s.tensor for s in storage), storage)
         # A replica is its own unsharded parameter: a view of it (borrowed), or an owned cast copy.
         tensors, storage = [], []

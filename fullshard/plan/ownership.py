@@ -32,6 +32,9 @@ class Unsharded(enum.Enum):
 
     VIEW_OF_OUTPUT = "view of the all-gather output (no copy)"
     OWN_STORAGE = "own storage, filled by a copy out of the all-gather output"
+    # The collective gathered straight into the parameter's shape (along dim 0): its output is the
+    # unsharded parameter, with no view in between (no copy either).
+    OUTPUT = "the all-gather output itself"
 
 
 class ShardedGrad(enum.Enum):
@@ -88,10 +91,18 @@ class RuntimeFacts:
     # Tensors can be scaled in place. On MindSpore 2.10's CPU kernels ``mul_``/``div_`` silently
     # return a new tensor, so a division produces the sharded gradient as new storage.
     in_place_arithmetic: bool = True
+    # Resizing a view's storage to 0 frees the memory autograd saved through the view. On MindSpore
+    # it does not: a view handed to autograd keeps its data alive whatever is resized (measured:
+    # backward still reads the values), so storage that is to be reclaimed after forward must be
+    # handed out as a tensor of its own, never as a view. MindSpore's collectives gather along dim 0,
+    # so a lone dim-0 shard without padding gathers straight into the parameter's shape.
+    reclaims_views: bool = True
 
 
 TORCH_RUNTIME = RuntimeFacts()
-MINDSPORE_RUNTIME = RuntimeFacts(shard_in_padded_chunk=False, collectives_in_place=False, in_place_arithmetic=False)
+MINDSPORE_RUNTIME = RuntimeFacts(
+    shard_in_padded_chunk=False, collectives_in_place=False, in_place_arithmetic=False, reclaims_views=False
+)
 
 
 def stores_padded_chunk(layout: ShardLayout) -> bool:
@@ -119,7 +130,7 @@ def shard_is_padded_chunk(layout: ShardLayout, runtime: RuntimeFacts = TORCH_RUN
 
 def plan_gather(
     bucket: BucketLayout, layouts: tuple[ShardLayout, ...], cast_needed: bool,
-    exchange: Exchange = Exchange.COLLECTIVE, runtime: RuntimeFacts = TORCH_RUNTIME,
+    exchange: Exchange = Exchange.COLLECTIVE, runtime: RuntimeFacts = TORCH_RUNTIME, bit_cast: bool = False,
 ) -> GatherPlan:
     """All-gather of one bucket.
 
@@ -133,16 +144,24 @@ def plan_gather(
     its own.
 
     A runtime whose collectives allocate their own outputs (``runtime.collectives_in_place`` off)
-    has no output to pack into before the exchange.
+    has no output to pack into before the exchange. Where reclaiming a view frees nothing
+    (``runtime.reclaims_views`` off), the unsharded parameter is never a view: it is the output
+    itself when a lone dim-0 shard without padding gathers straight into the parameter's shape and
+    travels as its own dtype (``bit_cast``: the bytes travel reinterpreted as another dtype, and
+    reading them back is a view), otherwise its own storage.
     """
     lone = bucket.is_single
     layout = layouts[bucket.members[0]]
     borrow_input = lone and not cast_needed and shard_is_padded_chunk(layout, runtime)
-    view_output = lone and layout.gather_is_prefix
+    if runtime.reclaims_views:
+        unsharded = Unsharded.VIEW_OF_OUTPUT if lone and layout.gather_is_prefix else Unsharded.OWN_STORAGE
+    else:
+        whole = lone and layout.dim == 0 and not layout.needs_padding and not bit_cast
+        unsharded = Unsharded.OUTPUT if whole else Unsharded.OWN_STORAGE
     return GatherPlan(
         input=Ownership.BORROWED if borrow_input else Ownership.OWNED,
         output=Ownership.OWNED,
-        unsharded=Unsharded.VIEW_OF_OUTPUT if view_output else Unsharded.OWN_STORAGE,
+        unsharded=unsharded,
         packs_into_output=(
             not borrow_input and runtime.collectives_in_place and exchange in (Exchange.PAIRWISE, Exchange.LOCAL)
         ),
