@@ -60,7 +60,12 @@ def run_suite(target: str, world_size: int, timeout: float = 600, env: dict | No
         codes = [proc.returncode for proc, _ in procs]
         if any(codes):
             raise RuntimeError(f"suite {target}: ranks exited with {codes}\n{logs}")
-        per_rank = [json.loads((Path(out) / f"rank{r}.json").read_text()) for r in range(world_size)]
+        return read_results(out, world_size)
+
+
+def read_results(out: str, world_size: int) -> dict[str, list[dict]]:
+    """``{scenario: [per-rank result]}`` from the ``rank<r>.json`` files the workers wrote into ``out``."""
+    per_rank = [json.loads((Path(out) / f"rank{r}.json").read_text()) for r in range(world_size)]
     names = per_rank[0].keys()
     return {name: [results[name] for results in per_rank] for name in names}
 
@@ -73,10 +78,13 @@ def assert_scenario(results: dict[str, list[dict]], name: str) -> list[dict]:
     return [res.get("data") for res in results[name]]
 
 
-def suite_tests(target: str, world_sizes: tuple[int, ...] = (2,), env: dict | None = None):
+def suite_tests(target: str, world_sizes: tuple[int, ...] = (2,), env: dict | None = None, runner=None,
+                timeout: float = 600):
     """A pytest fixture and test for suite ``target``: one spawn per world size, one test per scenario.
 
     Use at module level: ``results, test_scenario = suite_tests("tests.suite_x:suite")``.
+    ``runner`` launches the ranks (default :func:`run_suite`, torch on gloo; MindSpore suites pass
+    ``tests.ms_harness.run_ms_suite``).
     """
     import importlib
 
@@ -87,7 +95,7 @@ def suite_tests(target: str, world_sizes: tuple[int, ...] = (2,), env: dict | No
 
     @pytest.fixture(scope="module", params=world_sizes, ids=[f"{n}ranks" for n in world_sizes])
     def results(request):
-        return run_suite(target, world_size=request.param, timeout=600, env=env)
+        return (runner or run_suite)(target, world_size=request.param, timeout=timeout, env=env)
 
     @pytest.mark.parametrize("name", names)
     def test_scenario(results, name):

@@ -1,24 +1,39 @@
 """Framework-free planning: layouts, buckets and buffer ownership (no torch import)."""
 from fullshard.plan.exchange import Exchange, choose_exchange, exchange_tag, reduce_scratch_chunks, wire_dtype
-from fullshard.plan.layout import BucketLayout, ShardLayout, ceil_div, members_are_row_blocks, plan_buckets
+from fullshard.plan.layout import (
+    DEFAULT_FUSE_BELOW_NUMEL,
+    BucketLayout,
+    ShardLayout,
+    ceil_div,
+    members_are_row_blocks,
+    plan_buckets,
+)
 from fullshard.plan.ownership import (
+    MINDSPORE_RUNTIME,
+    TORCH_RUNTIME,
     GatherPlan,
     Ownership,
     ReducePlan,
+    RuntimeFacts,
     ShardedGrad,
     Unsharded,
     grad_copy_may_be_async,
     plan_gather,
     plan_reduce,
+    shard_is_padded_chunk,
     stores_padded_chunk,
 )
 
 __all__ = [
+    "DEFAULT_FUSE_BELOW_NUMEL",
+    "MINDSPORE_RUNTIME",
+    "TORCH_RUNTIME",
     "BucketLayout",
     "Exchange",
     "GatherPlan",
     "Ownership",
     "ReducePlan",
+    "RuntimeFacts",
     "ShardLayout",
     "ShardedGrad",
     "Unsharded",
@@ -31,6 +46,7 @@ __all__ = [
     "plan_gather",
     "plan_reduce",
     "reduce_scratch_chunks",
+    "shard_is_padded_chunk",
     "stores_padded_chunk",
     "wire_dtype",
 ]

@@ -45,6 +45,14 @@ class Exchange(enum.Enum):
     COLLECTIVE = "collective"
     PAIRWISE = "pairwise"
     LOCAL = "local"
+    # Emulations for backends that lack a collective (MindSpore's CPU backend, mccl;
+    # ``fullshard.plan.backends``). Each carries more than the theoretical minimum, and is counted as
+    # what it is (an all-reduce), so the cost shows:
+    # a reduce-scatter done as an all-reduce of the whole buffer, each rank keeping its own chunk;
+    ALL_REDUCE_CHUNK = "all_reduce_chunk"
+    # an all-gather within a sub-group done as an all-reduce of a buffer that is zero but for each
+    # rank's own chunk.
+    ZERO_FILLED_ALL_REDUCE = "zero_filled_all_reduce"
 
 
 def backend_for_device(backend: str, device_type: str) -> str:
@@ -75,7 +83,7 @@ def choose_exchange(backend: str, device_type: str, group_size: int, override: O
     if override:
         try:
             chosen = Exchange(override.strip().lower())
-            if chosen is Exchange.LOCAL:
+            if chosen not in (Exchange.COLLECTIVE, Exchange.PAIRWISE):
                 raise ValueError(chosen)
         except ValueError:
             choices = " or ".join(repr(e.value) for e in (Exchange.COLLECTIVE, Exchange.PAIRWISE))

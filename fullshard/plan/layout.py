@@ -23,6 +23,11 @@ from math import prod
 from typing import Hashable, Optional, Sequence
 
 
+# Parameters whose per-rank chunk has fewer elements than this share one collective (fusion) when a
+# runtime fuses; larger ones travel alone, so they can be gathered straight into their own storage.
+DEFAULT_FUSE_BELOW_NUMEL = 1 << 16
+
+
 def ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 

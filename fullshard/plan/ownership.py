@@ -32,6 +32,9 @@ class Unsharded(enum.Enum):
 
     VIEW_OF_OUTPUT = "view of the all-gather output (no copy)"
     OWN_STORAGE = "own storage, filled by a copy out of the all-gather output"
+    # The collective gathered straight into the parameter's shape (along dim 0): its output is the
+    # unsharded parameter, with no view in between (no copy either).
+    OUTPUT = "the all-gather output itself"
 
 
 class ShardedGrad(enum.Enum):
@@ -70,6 +73,38 @@ class ReducePlan:
         return self.input is Ownership.OWNED
 
 
+@dataclass(frozen=True)
+class RuntimeFacts:
+    """What a framework runtime's tensors and collectives do, as far as ownership depends on it.
+
+    The defaults are torch's; :data:`MINDSPORE_RUNTIME` lists where MindSpore (2.10, PyNative)
+    differs. The runtimes pass their row; nothing here is probed at run time.
+    """
+
+    # The sharded parameter's storage is its whole padded chunk, the local shard a prefix view of
+    # it, where the layout allows (``stores_padded_chunk``). MindSpore: a shard is a Parameter of
+    # its own, exactly its local shape, with nothing behind it.
+    shard_in_padded_chunk: bool = True
+    # Collectives write into buffers the runtime gives them (an all-reduce into its input).
+    # MindSpore's collectives return new storage and only read their input.
+    collectives_in_place: bool = True
+    # Tensors can be scaled in place. On MindSpore 2.10's CPU kernels ``mul_``/``div_`` silently
+    # return a new tensor, so a division produces the sharded gradient as new storage.
+    in_place_arithmetic: bool = True
+    # Resizing a view's storage to 0 frees the memory autograd saved through the view. On MindSpore
+    # it does not: a view handed to autograd keeps its data alive whatever is resized (measured:
+    # backward still reads the values), so storage that is to be reclaimed after forward must be
+    # handed out as a tensor of its own, never as a view. MindSpore's collectives gather along dim 0,
+    # so a lone dim-0 shard without padding gathers straight into the parameter's shape.
+    reclaims_views: bool = True
+
+
+TORCH_RUNTIME = RuntimeFacts()
+MINDSPORE_RUNTIME = RuntimeFacts(
+    shard_in_padded_chunk=False, collectives_in_place=False, in_place_arithmetic=False, reclaims_views=False
+)
+
+
 def stores_padded_chunk(layout: ShardLayout) -> bool:
     """Whether the sharded parameter's storage is its whole padded chunk.
 
@@ -81,9 +116,21 @@ def stores_padded_chunk(layout: ShardLayout) -> bool:
     return layout.gather_is_prefix or not layout.needs_padding
 
 
+def shard_is_padded_chunk(layout: ShardLayout, runtime: RuntimeFacts = TORCH_RUNTIME) -> bool:
+    """Whether a collective can read the sharded parameter's own storage as its padded chunk.
+
+    On torch, whenever that storage is the padded chunk (:func:`stores_padded_chunk`); on a runtime
+    that keeps nothing behind the shard, only when no padding is needed: the local shard then has
+    the padded chunk's shape, contiguous.
+    """
+    if runtime.shard_in_padded_chunk:
+        return stores_padded_chunk(layout)
+    return not layout.needs_padding
+
+
 def plan_gather(
     bucket: BucketLayout, layouts: tuple[ShardLayout, ...], cast_needed: bool,
-    exchange: Exchange = Exchange.COLLECTIVE,
+    exchange: Exchange = Exchange.COLLECTIVE, runtime: RuntimeFacts = TORCH_RUNTIME, bit_cast: bool = False,
 ) -> GatherPlan:
     """All-gather of one bucket.
 
@@ -95,16 +142,29 @@ def plan_gather(
     allocated by fullshard. A lone parameter with a prefix layout is used as a
     view of that output; everything else is copied out of it into storage of
     its own.
+
+    A runtime whose collectives allocate their own outputs (``runtime.collectives_in_place`` off)
+    has no output to pack into before the exchange. Where reclaiming a view frees nothing
+    (``runtime.reclaims_views`` off), the unsharded parameter is never a view: it is the output
+    itself when a lone dim-0 shard without padding gathers straight into the parameter's shape and
+    travels as its own dtype (``bit_cast``: the bytes travel reinterpreted as another dtype, and
+    reading them back is a view), otherwise its own storage.
     """
     lone = bucket.is_single
     layout = layouts[bucket.members[0]]
-    borrow_input = lone and not cast_needed and stores_padded_chunk(layout)
-    view_output = lone and layout.gather_is_prefix
+    borrow_input = lone and not cast_needed and shard_is_padded_chunk(layout, runtime)
+    if runtime.reclaims_views:
+        unsharded = Unsharded.VIEW_OF_OUTPUT if lone and layout.gather_is_prefix else Unsharded.OWN_STORAGE
+    else:
+        whole = lone and layout.dim == 0 and not layout.needs_padding and not bit_cast
+        unsharded = Unsharded.OUTPUT if whole else Unsharded.OWN_STORAGE
     return GatherPlan(
         input=Ownership.BORROWED if borrow_input else Ownership.OWNED,
         output=Ownership.OWNED,
-        unsharded=Unsharded.VIEW_OF_OUTPUT if view_output else Unsharded.OWN_STORAGE,
-        packs_into_output=not borrow_input and exchange in (Exchange.PAIRWISE, Exchange.LOCAL),
+        unsharded=unsharded,
+        packs_into_output=(
+            not borrow_input and runtime.collectives_in_place and exchange in (Exchange.PAIRWISE, Exchange.LOCAL)
+        ),
     )
 
 
@@ -116,6 +176,10 @@ def plan_reduce(
     reduce_dtype_is_param_dtype: bool,
     all_reduce: bool = False,
     offloaded: bool = False,
+    *,
+    exchange: Exchange = Exchange.COLLECTIVE,
+    runtime: RuntimeFacts = TORCH_RUNTIME,
+    divides: bool = True,
 ) -> ReducePlan:
     """Reduce-scatter of one bucket.
 
@@ -132,20 +196,28 @@ def plan_reduce(
     place on it (it is owned), then it is handed to the sharded ``.grad`` and
     never freed by fullshard again.
 
-    An all-reduce (replicated parameters) works in place on its buffer, so its
-    input is always owned: the caller's gradient is never written.
+    An all-reduce (replicated parameters) works in place on its buffer (on torch),
+    so its input is owned there: the caller's gradient is never written.
 
     With offloaded shards the sharded gradient is a copy on the storage device.
+
+    Where collectives only read their input (``runtime.collectives_in_place`` off), an all-reduce
+    may borrow the gradient as a reduce-scatter does. Where tensors cannot be scaled in place
+    (``runtime.in_place_arithmetic`` off), a gradient that is divided (``divides``) comes out of the
+    division as a copy. An emulated reduce-scatter (``Exchange.ALL_REDUCE_CHUNK``) outputs the whole
+    summed buffer: a view of this rank's chunk would keep all of it alive, so the chunk is copied.
     """
+    lone = bucket.is_single
+    layout = layouts[bucket.members[0]]
+    scaled_in_place = runtime.in_place_arithmetic or not divides
     if all_reduce:
-        view_grad = reduce_dtype_is_param_dtype and not offloaded
+        borrow = lone and grad_dtype_is_wire_dtype and grads_contiguous and not runtime.collectives_in_place
+        view_grad = reduce_dtype_is_param_dtype and not offloaded and scaled_in_place
         return ReducePlan(
-            input=Ownership.OWNED,
+            input=Ownership.BORROWED if borrow else Ownership.OWNED,
             output=Ownership.OWNED,
             sharded_grad=ShardedGrad.VIEW_OF_OUTPUT if view_grad else ShardedGrad.COPY,
         )
-    lone = bucket.is_single
-    layout = layouts[bucket.members[0]]
     borrow = (
         lone
         and layout.gather_is_prefix
@@ -155,6 +227,7 @@ def plan_reduce(
     )
     view_grad = (
         reduce_dtype_is_param_dtype and not offloaded and all(layouts[i].gather_is_prefix for i in bucket.members)
+        and scaled_in_place and exchange is not Exchange.ALL_REDUCE_CHUNK
     )
     return ReducePlan(
         input=Ownership.BORROWED if borrow else Ownership.OWNED,

@@ -14,11 +14,8 @@ import torch.distributed as dist
 
 from fullshard.plan import GatherPlan, choose_exchange, exchange_tag, plan_buckets, plan_gather, wire_dtype
 from fullshard.plan.exchange import EXCHANGE_ENV
+from fullshard.plan.layout import DEFAULT_FUSE_BELOW_NUMEL
 from fullshard.torch.param import ShardedParam
-
-# Parameters whose per-rank chunk has fewer elements than this share one
-# collective (fusion); larger ones are gathered straight into their own storage.
-DEFAULT_FUSE_BELOW_NUMEL = 1 << 16
 
 
 def dtype_name(dtype: torch.dtype) -> str:

@@ -1,0 +1,34 @@
+"""fullshard on MindSpore 2.10 (PyNative): ``fully_shard`` for Cells, on the same planning code as torch's.
+
+Imports no torch. See ``docs/mindspore.md``.
+"""
+from fullshard.core.traffic import reset_traffic, traffic_bytes
+from fullshard.mindspore.accounting import memory_report
+from fullshard.mindspore.api import fully_shard
+from fullshard.mindspore.buffers import OwnershipError, comm_bytes, reset_peak_comm_bytes, set_check_ownership
+from fullshard.mindspore.checkpoint import full_state_dict
+from fullshard.mindspore.clip import clip_grad_norm
+from fullshard.mindspore.mesh import DeviceMesh, Shard, init_device_mesh
+from fullshard.mindspore.module import FSDPModule, HSDPModule, UnshardHandle
+from fullshard.mindspore.policies import MixedPrecisionPolicy, OffloadPolicy
+
+__all__ = [
+    "DeviceMesh",
+    "FSDPModule",
+    "HSDPModule",
+    "MixedPrecisionPolicy",
+    "OffloadPolicy",
+    "OwnershipError",
+    "Shard",
+    "UnshardHandle",
+    "clip_grad_norm",
+    "comm_bytes",
+    "full_state_dict",
+    "fully_shard",
+    "init_device_mesh",
+    "memory_report",
+    "reset_peak_comm_bytes",
+    "reset_traffic",
+    "set_check_ownership",
+    "traffic_bytes",
+]

@@ -1,0 +1,88 @@
+"""Visible accounting: what each rank holds and moves, next to the planning code's figures.
+
+``memory_report(cell, optimizer)`` counts bytes of real tensors (MindSpore
+reports no memory statistics on CPU, and RSS does not fall when storage is
+freed): the shards and other parameters, ``main_grad``, optimizer state, and
+the storage fullshard owns now and at peak (unsharded parameters included).
+Traffic is what every collective fullshard issued since
+:func:`fullshard.core.traffic.reset_traffic` really carried, next to the
+strategy's theoretical payload and to what the chosen collectives (CPU
+emulations included) carry for it.
+"""
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from mindspore import nn
+
+from fullshard.core.traffic import reset_traffic, traffic_bytes
+from fullshard.mindspore.buffers import comm_bytes
+from fullshard.mindspore.policies import dtype_bytes
+from fullshard.plan.backends import carried_traffic
+from fullshard.plan.strategy import bytes_sent_per_rank, per_rank_theory
+
+
+def _states(cell: nn.Cell) -> list:
+    seen, states = set(), []
+    for _, sub in cell.cells_and_names():
+        state = getattr(sub, "_fullshard_state", None)
+        if state is not None and id(state) not in seen:
+            seen.add(id(state))
+            states.append(state)
+    return states
+
+
+def _nbytes(tensors) -> int:
+    return sum(t.nbytes for t in tensors)
+
+
+def memory_report(cell: nn.Cell, optimizer: Optional[nn.Optimizer] = None) -> dict[str, Any]:
+    """Bytes this rank holds and moved, with the theoretical figures for the cell's strategy."""
+    states = _states(cell)
+    groups = [g for s in states for g in s.groups]
+    managed = [p for g in groups for p in g.params]
+    params = list(cell.get_parameters())
+    own = {id(p) for p in params}
+    optim_state = [
+        p for p in (optimizer.get_parameters() if optimizer is not None else ())
+        if id(p) not in own and p.ndim > 0  # scalar step counters and beta powers are not state per parameter
+    ]
+    meter = comm_bytes()
+    measured = {
+        "params": _nbytes(params),
+        "main_grad": _nbytes(p.main_grad.tensor for p in managed if p.main_grad is not None),
+        "optim": _nbytes(optim_state),
+        "comm_live": meter["live"],  # owned storage: unsharded parameters, buffers, main_grad
+        "comm_peak": meter["peak"],
+        "transient_peak": meter["transient_peak"],  # communication buffers only
+    }
+    report: dict[str, Any] = {"measured": measured, "traffic": traffic_bytes()}
+    strategies = {s.strategy for s in states}
+    sharded = [g for g in groups if not g.replicated]
+    if len(strategies) == 1 and groups:
+        strategy = strategies.pop()
+        group = sharded[0] if sharded else groups[0]
+        sample = group.params[0]
+        world = group.comm.size
+        num_params = sum(p.layout.numel for p in managed)
+        largest = max(sum(p.layout.numel for g in s.groups for p in g.params) for s in states)
+        root = next((s for s in states if s.is_root), states[0])
+        root_params = sum(p.layout.numel for g in root.groups for p in g.params)
+        param_bytes = dtype_bytes(sample.stored_dtype)
+        compute_bytes = dtype_bytes(sample.compute_dtype)
+        reduce_bytes = dtype_bytes(group.plan.wire_dtype(group.plan.reduce_dtype(sample)))
+        optim_bytes = 2 * param_bytes if isinstance(optimizer, (nn.Adam, nn.AdamWeightDecay)) else 0
+        theory = per_rank_theory(
+            strategy, world, num_params, largest, root_params, param_bytes=param_bytes, optim_bytes=optim_bytes,
+            compute_bytes=compute_bytes, reduce_bytes=reduce_bytes, defers_reduction=False,
+        )
+        carried = carried_traffic(theory["traffic"], group.plan.collectives)
+        report["strategy"] = strategy.value
+        report["theory"] = {
+            "memory": theory["memory"], "traffic": theory["traffic"], "sent": theory["sent"],
+            "carried": carried, "carried_sent": bytes_sent_per_rank(carried, world),
+        }
+    return report
+
+
+__all__ = ["memory_report", "reset_traffic", "traffic_bytes"]

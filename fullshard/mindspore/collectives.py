@@ -1,0 +1,180 @@
+"""All-gather and reduction of one bucket, carrying out the ownership plan.
+
+No layout arithmetic lives here: offsets and lengths come from
+``fullshard.plan``. Every tensor fullshard reads from someone else (a shard,
+a gradient autograd hands over) is registered as borrowed while it is read,
+so in debug mode an "allocating" op that returned its storage instead (the
+seed's same-dtype cast) fails the moment it is adopted, naming the buffer.
+"""
+from __future__ import annotations
+
+from typing import Any, Optional, Sequence
+
+from mindspore import Tensor, mint, ops
+
+from fullshard.mindspore import buffers
+from fullshard.mindspore import exchange as transport
+from fullshard.mindspore.buffers import Borrowed, Owned
+from fullshard.mindspore.exchange import Comm
+from fullshard.mindspore.group_plan import GroupPlan
+from fullshard.mindspore.param import ShardedParam
+from fullshard.mindspore.policies import dtype_name, dtype_named
+from fullshard.plan import BucketLayout, Exchange, Ownership, ReducePlan, ShardedGrad, Unsharded, plan_buckets
+from fullshard.plan.backends import Backend, carrier_dtype, is_bit_cast
+
+
+def _padded(x: Optional[Tensor], param: ShardedParam, length: int, dtype: Any) -> Tensor:
+    """``x`` (``length`` long on the shard dim; None when 0) grown to the padded chunk with zeros; as is
+    without padding."""
+    layout = param.layout
+    missing = layout.chunk - length
+    if not missing:
+        return x
+    pad_shape = layout.shape[: layout.dim] + (missing,) + layout.shape[layout.dim + 1 :]
+    zeros = ops.zeros(pad_shape, dtype)
+    return mint.cat([x, zeros], layout.dim) if length else zeros
+
+
+def pack_shards(bucket: BucketLayout, params: Sequence[ShardedParam], dtype: Any) -> Tensor:
+    """This rank's padded chunk of every member, back to back, in ``dtype``: always new storage."""
+    parts = []
+    for param in params:
+        shard = param.sharded
+        x = shard.astype(dtype) if shard.dtype != dtype else shard
+        length = param.layout.local_length(param.rank)
+        parts.append(_padded(x if length else None, param, length, dtype).reshape(-1))
+    return mint.cat(parts)  # allocates, even for one part
+
+
+def unpack_member(flat: Tensor, bucket: BucketLayout, index: int, param: ShardedParam) -> Tensor:
+    """Member ``index``'s full tensor out of a rank-major all-gather output, padding dropped: new storage
+    (``mint.cat`` allocates even for one piece)."""
+    layout = param.layout
+    start = bucket.offsets[index]
+    rows = flat.reshape(bucket.world, bucket.chunk_numel)
+    pieces = []
+    for rank in range(bucket.world):
+        length = layout.local_length(rank)
+        if length:
+            chunk = rows[rank, start : start + layout.padded_chunk_numel].reshape(layout.padded_chunk_shape)
+            pieces.append(chunk.narrow(layout.dim, 0, length))
+    return mint.cat(pieces, layout.dim)
+
+
+def _to_carrier(source: Tensor, carrier: Any, bit_cast: bool, transient: list, label: str) -> Tensor:
+    if bit_cast:
+        return source.view(carrier)  # the same bytes (bf16 as fp16 bits)
+    if source.dtype != carrier:
+        transient.append(buffers.adopt(source.astype(carrier), f"widened all-gather input of {label}"))
+        return transient[-1].tensor
+    return source
+
+
+def _from_carrier(flat: Tensor, dtype: Any, bit_cast: bool, transient: list, label: str) -> Tensor:
+    if bit_cast:
+        return flat.view(dtype)
+    if flat.dtype != dtype:
+        transient.append(buffers.adopt(flat, f"widened all-gather output of {label}"))
+        return flat.astype(dtype)
+    return flat
+
+
+def gather_bucket(plan: GroupPlan, index: int, comm: Comm) -> list[Owned]:
+    """All-gather one bucket; each member's unsharded tensor, in the compute dtype, as owned storage.
+
+    A lone dim-0 shard without padding gathers straight into the parameter's shape: the output is the
+    unsharded parameter (``Unsharded.OUTPUT``). The others travel as flat padded chunks and are copied
+    out of the output into tensors of their own (never views: ``RuntimeFacts.reclaims_views``).
+    """
+    bucket, gather, members = plan.buckets[index], plan.gather_plans[index], plan.members(index)
+    label = plan.labels[index]
+    dtype = members[0].compute_dtype
+    carrier, bit_cast = plan.gather_carrier(index)
+    whole = gather.unsharded is Unsharded.OUTPUT
+    lent = [buffers.borrow(p.sharded, f"sharded parameter '{p.fqn}'") for p in members]
+    transient: list[Optional[Owned | Borrowed]] = []
+    try:
+        if gather.input is Ownership.BORROWED:
+            shard = members[0].sharded
+            transient.append(buffers.borrow(shard if whole else shard.reshape(-1), f"all-gather input of {label}"))
+        elif whole:  # lone, unpadded: only a cast, which allocates
+            transient.append(buffers.adopt(members[0].sharded.astype(dtype), f"all-gather input of {label}"))
+        else:
+            transient.append(buffers.adopt(pack_shards(bucket, members, dtype), f"all-gather input of {label}"))
+        source = _to_carrier(transient[-1].tensor, carrier, bit_cast, transient, label)
+        flat = transport.all_gather(plan.collectives.gather, source, comm, label)
+        if whole:
+            param = members[0]
+            if flat.dtype != dtype:  # widened on the wire: narrowing back allocates the parameter's own tensor
+                transient.append(buffers.adopt(flat, f"widened all-gather output of {label}"))
+                flat = flat.astype(dtype)
+            return [buffers.adopt(flat, f"unsharded parameter '{param.fqn}' of cell '{plan.module_name}'", working=True)]
+        flat = _from_carrier(flat, dtype, bit_cast, transient, label)
+        transient.append(buffers.adopt(flat, f"all-gather output of {label}"))
+        return [
+            buffers.adopt(unpack_member(flat, bucket, i, p), f"unsharded parameter '{p.fqn}' of cell '{plan.module_name}'",
+                          working=True)
+            for i, p in enumerate(members)
+        ]
+    finally:
+        for lender in lent:
+            lender.release()
+        buffers.release_all(transient)
+
+
+def gather_full(param: ShardedParam, comm: Comm, exchange: Exchange, backend: Backend) -> Tensor:
+    """The whole parameter in its stored dtype, gathered from the shards (new storage; no autograd)."""
+    if param.replicated:
+        return param.sharded.copy()
+    bucket = plan_buckets([param.layout], 0)[0]
+    label = f"'{param.fqn}' (full state dict)"
+    dtype = dtype_name(param.stored_dtype)
+    carrier = carrier_dtype(backend, dtype, summed=exchange is Exchange.ZERO_FILLED_ALL_REDUCE)
+    bit_cast = is_bit_cast(dtype, carrier)
+    transient: list = []
+    lent = buffers.borrow(param.sharded, f"sharded parameter '{param.fqn}'")
+    try:
+        transient.append(buffers.adopt(pack_shards(bucket, [param], param.stored_dtype), f"all-gather input of {label}"))
+        source = _to_carrier(transient[-1].tensor, dtype_named(carrier), bit_cast, transient, label)
+        flat = _from_carrier(transport.all_gather(exchange, source, comm, label), param.stored_dtype, bit_cast,
+                             transient, label)
+        transient.append(buffers.adopt(flat, f"all-gather output of {label}"))
+        return unpack_member(flat, bucket, 0, param)
+    finally:
+        lent.release()
+        buffers.release_all(transient)
+
+
+def pack_grads(bucket: BucketLayout, params: Sequence[ShardedParam], grads: Sequence[Tensor], dtype: Any) -> Tensor:
+    """The reduction's input: every rank's padded chunk of every member's gradient, rank-major, in ``dtype``.
+
+    Always new storage (casts, padding and ``mint.cat`` allocate).
+    """
+    grads = [g.astype(dtype) if g.dtype != dtype else g for g in grads]
+    rows = []
+    for rank in range(bucket.world):
+        for param, grad in zip(params, grads):
+            layout = param.layout
+            length = layout.local_length(rank)
+            piece = grad.narrow(layout.dim, layout.local_offset(rank), length) if length else None
+            rows.append(_padded(piece, param, length, dtype).reshape(-1))
+    return mint.cat(rows)
+
+
+def member_chunk(summed: Tensor, offset: int, bucket: BucketLayout, index: int, param: ShardedParam) -> Tensor:
+    """This rank's local part of member ``index``, read out of the reduced buffer (a view)."""
+    layout = param.layout
+    start = offset + bucket.offsets[index]
+    chunk = summed[start : start + layout.padded_chunk_numel].reshape(layout.padded_chunk_shape)
+    return chunk.narrow(layout.dim, 0, layout.local_length(param.rank))
+
+
+def finish_grad(local: Tensor, plan: ReducePlan, divide_factor: float, stored_dtype: Any) -> tuple[Tensor, Tensor]:
+    """The sharded gradient (stored dtype) and the reduced value it came from (reduce dtype), from this
+    rank's view ``local`` of the reduced buffer: divided and cast out of place, or the view itself."""
+    if divide_factor != 1:
+        local = local / divide_factor  # out of place: in-place division is a no-op on CPU
+    elif plan.sharded_grad is ShardedGrad.COPY:
+        local = local.copy()
+    grad = local.astype(stored_dtype) if local.dtype != stored_dtype else local
+    return grad, local

@@ -1,0 +1,311 @@
+"""Ownership, byte-meter and zero-copy scenarios for fullshard.mindspore on 2 msrun workers.
+
+The runtime is observed from outside: which tensors it borrows and adopts
+(wrapping ``fullshard.mindspore.buffers``), which gradients autograd handed a
+bucket's bprop (wrapping ``GradReducer.reduce``), and the byte meter. Run with
+``FULLSHARD_CHECK_OWNERSHIP=1`` (``./run test`` sets it), so every scenario
+also runs under the sanitizer.
+"""
+from __future__ import annotations
+
+import contextlib
+import gc
+
+import numpy as np
+
+import mindspore as ms
+from mindspore import Tensor, nn, ops
+
+import fullshard.mindspore as fs
+from fullshard.core.buffers import live_owned_buffers
+from fullshard.core.traffic import reset_traffic, traffic_bytes
+from fullshard.mindspore import buffers
+from fullshard.mindspore.grads import GradReducer
+from fullshard.mindspore.policies import dtype_bytes
+from fullshard.plan import Unsharded
+from fullshard.plan.backends import carried_traffic
+from fullshard.plan.strategy import Strategy, bytes_sent_per_rank, per_rank_theory
+from tests.ms_parity import TinyLM, assert_close, init_numpy, lm_batch, lm_loss, local_rows, shard_of, world, wrap_layers
+from tests.ms_suite_parity import ConcatLM, TiedTwice
+
+
+@contextlib.contextmanager
+def observe():
+    """Record what fullshard borrows and adopts, and every gradient a bucket's bprop was handed."""
+    seen = {"borrowed": [], "adopted": [], "grads": []}
+    borrow, adopt, reduce = buffers.borrow, buffers.adopt, GradReducer.reduce
+
+    def borrow_and_record(tensor, what):
+        seen["borrowed"].append(what)
+        return borrow(tensor, what)
+
+    def adopt_and_record(tensor, what, working=False):
+        owned = adopt(tensor, what, working)
+        seen["adopted"].append(owned)
+        return owned
+
+    def reduce_and_record(self, index, grads):
+        for param, grad in zip(self.plan.members(index), grads):
+            storage = grad.untyped_storage()
+            seen["grads"].append((param.fqn, grad, grad.copy(), storage.nbytes(), storage.data_ptr()))
+        return reduce(self, index, grads)
+
+    buffers.borrow, buffers.adopt, GradReducer.reduce = borrow_and_record, adopt_and_record, reduce_and_record
+    try:
+        yield seen
+    finally:
+        buffers.borrow, buffers.adopt, GradReducer.reduce = borrow, adopt, reduce
+
+
+def _assert_caller_grads_intact(seen):
+    assert seen["grads"], "no gradient reached fullshard"
+    for fqn, grad, snapshot, nbytes, _ in seen["grads"]:
+        assert grad.untyped_storage().nbytes() == nbytes, f"{fqn}: the caller's gradient storage was freed"
+        assert np.array_equal(grad.asnumpy(), snapshot.asnumpy()), f"{fqn}: the caller's gradient was written"
+
+
+def _step(net, step=0, batch=4):
+    ids, labels = lm_batch(step, batch)
+    return ms.value_and_grad(lambda: lm_loss(net, local_rows(ids), local_rows(labels)), None, net.trainable_params())()
+
+
+def seed_path():
+    """The seed's path: fp32 gradients, reduce_dtype fp32, no fusion, ZeRO-3, main grads. Where the plan
+    borrows the gradient (even dim 0), autograd's storage is the reduction's input and is never freed or
+    written; where it must pack (padding), the packed buffer is owned and reclaimed."""
+    mp = fs.MixedPrecisionPolicy(reduce_dtype=ms.float32, apply_grad_on_fp32_main_grad=True)
+    net = init_numpy(TinyLM())
+    wrap_layers(net, mp_policy=mp, strategy="optim_grads_params", comm_fusion=False)
+    reference = init_numpy(TinyLM())
+    with observe() as seen:
+        _, grads = _step(net)
+    _assert_caller_grads_intact(seen)
+    _, ref_grads = ms.value_and_grad(lambda: lm_loss(reference, *lm_batch(0, 4)), None, reference.trainable_params())()
+    for param, grad, ref in zip(net.trainable_params(), grads, ref_grads):
+        assert_close(grad.asnumpy(), shard_of(ref.asnumpy(), param), param.name)
+    borrowed = sorted({w for w in seen["borrowed"] if w.startswith("reduce-scatter input")})
+    packed = [o for o in seen["adopted"] if o.what.startswith("reduce-scatter input")]
+    assert borrowed and packed, "both paths must be exercised"
+    assert all(o.is_reclaimed for o in packed if o.tensor is not None), "packed reduction inputs are reclaimed"
+    return {"borrowed_reduce_inputs": len(borrowed), "packed_reduce_inputs": len(packed)}
+
+
+def seed_bug_outside_bprop():
+    """The seed's bug as an adoption: a same-dtype cast-and-reshape of a borrowed gradient is not owned."""
+    grad = ops.ones((8, 4), ms.float32) * 3
+    lent = buffers.borrow(grad, "gradient of [w] of cell 'm'")
+    aliased = grad.astype(ms.float32).reshape(-1)  # a new object over the caller's storage
+    assert aliased.untyped_storage().data_ptr() == grad.untyped_storage().data_ptr(), "MindSpore aliases here"
+    try:
+        buffers.adopt(aliased, "reduce-scatter input of [w] of cell 'm'")
+    except fs.OwnershipError as error:
+        message = str(error)
+    else:
+        raise AssertionError("adopting borrowed storage as owned must raise")
+    assert "gradient of [w] of cell 'm'" in message and "reduce-scatter input of [w]" in message, message
+    assert grad.untyped_storage().nbytes() == 8 * 4 * 4 and float(grad.asnumpy().sum()) == 96.0
+    real = buffers.adopt(grad.astype(ms.float16), "fp16 copy")  # another dtype allocates: owned
+    real.reclaim()
+    lent.release()
+    assert grad.untyped_storage().nbytes() == 128
+    return {"error": message}
+
+
+def concatenated_params():
+    """Two parameters concatenated in construct: the gradients their gathers get are views of ONE storage.
+    Neither is freed or written while the other is still to be reduced."""
+    net = init_numpy(ConcatLM())
+    fs.fully_shard(net.mix)
+    wrap_layers(net)
+    with observe() as seen:
+        _step(net)
+    _assert_caller_grads_intact(seen)
+    mix = {fqn: ptr for fqn, _, _, _, ptr in seen["grads"] if fqn in ("mix.top", "mix.bottom")}
+    assert mix["mix.top"] == mix["mix.bottom"], "the case under test: both gradients share one storage"
+    return {"shared_storage": True}
+
+
+def tied_weights():
+    net = init_numpy(TiedTwice())
+    wrap_layers(net)
+    with observe() as seen:
+        for step in range(2):
+            _step(net, step)
+    _assert_caller_grads_intact(seen)
+    tied = [fqn for fqn, *_ in seen["grads"] if "embedding_table" in fqn or "head.weight" in fqn]
+    assert len(tied) == 2, f"one reduction per step for the tied weight, got {tied}"
+    return {"tied_reductions": tied}
+
+
+class Padded(nn.Cell):
+    """Every parameter padded on 2 ranks (5 rows -> 3 + 2)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Dense(3, 5)
+
+    def construct(self, x):
+        return self.fc(x)
+
+
+def _baseline() -> tuple[int, int]:
+    """Owned bytes and buffers alive before a scenario (earlier scenarios' models may await the collector)."""
+    gc.collect()
+    return fs.comm_bytes()["live"], live_owned_buffers()
+
+
+def padding_path_no_leak():
+    """100 steps on the padding path: every owned buffer is reclaimed; nothing accumulates."""
+    base_bytes, base_buffers = _baseline()
+    net = Padded()
+    inner = nn.SequentialCell([net])
+    fs.fully_shard(net)
+    fs.fully_shard(inner)
+    params = inner.trainable_params()
+    x = Tensor(np.ones((2, 3), np.float32))
+    grad_fn = ms.value_and_grad(lambda: (inner(x) ** 2).sum(), None, params)
+    live, owned, adopted = [], [], []
+    with observe() as seen:
+        for _ in range(100):
+            grad_fn()
+            live.append(fs.comm_bytes()["live"])
+            owned.append(live_owned_buffers())
+            adopted.append(len(seen["adopted"]))
+    assert set(live) == {base_bytes}, f"owned bytes left after a step: {sorted(set(live))} (before: {base_bytes})"
+    if buffers.check_ownership_enabled():
+        assert set(owned) == {base_buffers}, f"owned buffers left registered: {sorted(set(owned))}"
+    per_step = {b - a for a, b in zip(adopted, adopted[1:])}
+    assert len(per_step) == 1, f"the same buffers every step, got {per_step}"
+    padded = [o for o in seen["adopted"] if "input" in o.what]
+    assert padded and all(o.is_reclaimed for o in padded if o.tensor is not None)
+    return {"owned_buffers_per_step": per_step.pop(), "steps": 100}
+
+
+def _unsharded_bytes(state) -> int:
+    """Bytes of owned storage behind a unit's unsharded parameters, from its plan (padding included)."""
+    total = 0
+    for group in state.groups:
+        plan = group.plan
+        for index, bucket in enumerate(plan.buckets):
+            members = plan.members(index)
+            size = dtype_bytes(members[0].compute_dtype)
+            assert plan.gather_plans[index].unsharded is not Unsharded.VIEW_OF_OUTPUT  # never a view on MindSpore
+            total += sum(p.layout.numel for p in members) * size
+    return total
+
+
+def _gathered_bytes(state) -> int:
+    """Bytes a unit's all-gathers carry (padded chunks of every rank)."""
+    return sum(b.total_numel * dtype_bytes(g.plan.members(i)[0].compute_dtype)
+               for g in state.groups for i, b in enumerate(g.plan.buckets))
+
+
+def byte_meter_zero3():
+    """ZeRO-3 frees each unit's unsharded parameters after forward and gathers them again for its
+    backward, one unit at a time: bytes held after forward, at each unit's backward, between steps."""
+    figures = {}
+    base, _ = _baseline()
+    for label, reshard in (("zero3", None), ("reshard_after_forward=False", False)):
+        net = init_numpy(TinyLM())
+        wrap_layers(net, reshard_after_forward=reshard)
+        samples = {}
+        net.register_forward_hook(
+            lambda cell, args, out: samples.__setitem__("after_forward", fs.comm_bytes()["live"] - base))
+        for i, layer in enumerate(net.layers):
+            layer.register_backward_pre_hook(
+                lambda cell, grad, i=i: samples.__setitem__(f"backward_layer{i}", fs.comm_bytes()["live"] - base))
+        _step(net)  # the first step builds the root context
+        fs.reset_peak_comm_bytes()
+        reset_traffic()
+        _step(net, 1)
+        samples["between_steps"] = fs.comm_bytes()["live"] - base
+        samples["peak"] = fs.comm_bytes()["peak"] - base
+        samples["gathered"] = traffic_bytes()["all_gather"]
+        figures[label] = samples
+    root = net._fullshard_state
+    units = [layer._fullshard_state for layer in net.layers]
+    root_bytes, layer_bytes = _unsharded_bytes(root), _unsharded_bytes(units[0])
+    zero3, kept = figures["zero3"], figures["reshard_after_forward=False"]
+    assert zero3["after_forward"] == root_bytes, (zero3, root_bytes)  # only the root stays gathered
+    assert zero3["backward_layer1"] == root_bytes + layer_bytes, zero3  # layer 1 gathered again, alone
+    assert zero3["backward_layer0"] == root_bytes + layer_bytes, zero3  # layer 1 freed again before layer 0
+    assert zero3["between_steps"] == 0 and kept["between_steps"] == 0
+    assert kept["after_forward"] == root_bytes + 2 * layer_bytes, kept
+    assert zero3["peak"] < kept["peak"]
+    # the root gathered once, each layer twice (forward, backward); without resharding once
+    root_wire, layer_wire = _gathered_bytes(root), _gathered_bytes(units[0])
+    assert zero3["gathered"] == root_wire + 4 * layer_wire and kept["gathered"] == root_wire + 2 * layer_wire
+    num_params = sum(p.layout.numel for s in [root, *units] for g in s.groups for p in g.params)
+    theory = per_rank_theory(Strategy.OPTIM_GRADS_PARAMS, world(), num_params,
+                             max(sum(p.layout.numel for g in s.groups for p in g.params) for s in [root, *units]),
+                             sum(p.layout.numel for g in root.groups for p in g.params), defers_reduction=False)
+    report = fs.memory_report(net)
+    return {"measured": figures, "root_unsharded": root_bytes, "layer_unsharded": layer_bytes,
+            "formula": theory["memory"], "report_theory": report["theory"]["memory"]}
+
+
+def zero_copy_count():
+    """The plan's zero-copy cases, counted: exactly the lone, unpadded, same-dtype parameters gather from
+    the shard itself and reduce straight from autograd's gradient; fusion or a cast leaves none."""
+    counts = {}
+    for label, kwargs in (("default", {}), ("comm_fusion", {"comm_fusion": True}),
+                          ("fp16 compute", {"mp_policy": fs.MixedPrecisionPolicy(param_dtype=ms.float16)})):
+        net = init_numpy(TinyLM())
+        wrap_layers(net, **kwargs)
+        with observe() as seen:
+            _step(net)
+        counts[label] = {
+            "gather": sorted(w for w in seen["borrowed"] if w.startswith("all-gather input")),
+            "reduce": sorted(w for w in seen["borrowed"] if w.startswith("reduce-scatter input")),
+        }
+    # What the plan promises, derived here from the shapes alone: dim 0 divisible by the world size.
+    even = sorted(name for name, p in TinyLM().parameters_and_names() if p.shape[0] % world() == 0)
+    layer_names = [n for n in even if n.startswith("layers.")]
+    root_names = [n for n in even if not n.startswith("layers.")]
+
+    def names(whats):
+        return sorted({w.split("[", 1)[1].split("]", 1)[0] for w in whats})
+    assert names(counts["default"]["reduce"]) == even, (counts["default"]["reduce"], even)
+    assert names(counts["default"]["gather"]) == even
+    # ZeRO-3 gathers layers twice (forward, backward) and the root once; every gradient reduces once
+    assert len(counts["default"]["gather"]) == 2 * len(layer_names) + len(root_names)
+    assert len(counts["default"]["reduce"]) == len(even)
+    assert not counts["comm_fusion"]["gather"] and not counts["comm_fusion"]["reduce"]
+    assert not counts["fp16 compute"]["gather"], "a cast allocates: no zero-copy gather"
+    return {label: {k: len(v) for k, v in c.items()} for label, c in counts.items()} | {"even_params": len(even)}
+
+
+def traffic_vs_theory():
+    """Bytes the collectives really carried in one ZeRO-3 step, next to the theoretical minimum."""
+    net = init_numpy(TinyLM(vocab=8))  # no padding anywhere: the count is exact
+    wrap_layers(net)
+    _step(net)
+    reset_traffic()
+    ids, labels = lm_batch(1, 4, vocab=8)
+    ms.value_and_grad(lambda: lm_loss(net, local_rows(ids), local_rows(labels)), None, net.trainable_params())()
+    counted = traffic_bytes()
+    root = net._fullshard_state
+    units = [root] + [layer._fullshard_state for layer in net.layers]
+    num = sum(p.layout.numel for s in units for g in s.groups for p in g.params)
+    largest = max(sum(p.layout.numel for g in s.groups for p in g.params) for s in units)
+    root_params = sum(p.layout.numel for g in root.groups for p in g.params)
+    theory = per_rank_theory(Strategy.OPTIM_GRADS_PARAMS, world(), num, largest, root_params, defers_reduction=False)
+    carried = carried_traffic(theory["traffic"], root.groups[0].plan.collectives)
+    assert counted == {k: int(v) for k, v in carried.items()}, (counted, carried)
+    minimum, emulated = theory["sent"], bytes_sent_per_rank(carried, world())
+    assert emulated > minimum
+    return {"counted": counted, "theory": theory["traffic"], "min_sent_per_rank": minimum,
+            "emulated_sent_per_rank": emulated}
+
+
+def suite():
+    return {
+        "seed_path": seed_path,
+        "seed_bug_outside_bprop": seed_bug_outside_bprop,
+        "concatenated_ownership": concatenated_params,
+        "tied_ownership": tied_weights,
+        "padding_path_no_leak": padding_path_no_leak,
+        "byte_meter_zero3": byte_meter_zero3,
+        "zero_copy_count": zero_copy_count,
+        "traffic_vs_theory": traffic_vs_theory,
+    }
