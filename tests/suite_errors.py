@@ -150,8 +150,69 @@ def ranks_with_different_exchanges_fail_at_first_step():
     return str(info.value)
 
 
+def misuse_raises_the_types_fsdp2_raises():
+    """Clients catch FSDP2's exception types; fullshard's errors are instances of those (and of its own)."""
+    import copy
+
+    model = nn.Linear(4, 4)
+    fully_shard(model, mesh=mesh_1d())
+    checks = []
+    for kind, call in (
+        (AssertionError, lambda: fully_shard(model, mesh=mesh_1d())),
+        (AssertionError, lambda: copy.deepcopy(model)),
+        (AssertionError, lambda: fully_shard(nn.Linear(4, 4), mesh=mesh_1d(), shard_placement_fn=lambda p: Shard(2))),
+        (AssertionError, lambda: fully_shard(nn.Linear(4, 4), mesh=init_device_mesh("cpu", (1, dist.get_world_size())))),
+        (ValueError, lambda: fully_shard(_with_scalar(), mesh=mesh_1d())),
+        (TypeError, lambda: model.set_reduce_scatter_max_input_buffers(2.5)),
+        (TypeError, lambda: model.set_reduce_scatter_max_input_buffers(True)),
+        (ValueError, lambda: model.set_reduce_scatter_max_input_buffers(0)),
+    ):
+        with pytest.raises(kind) as info:
+            call()
+        checks.append(f"{type(info.value).__name__}: {str(info.value)[:60]}")
+    with pytest.warns(UserWarning, match="ignores it"):
+        model.set_reduce_scatter_max_input_buffers(2)
+    hsdp = init_device_mesh("cpu", (1, dist.get_world_size()), mesh_dim_names=("replicate", "shard"))
+    replicated = fully_shard(nn.Linear(4, 4), mesh=hsdp)
+    with pytest.raises(ValueError, match="^stream cannot be set when using native HSDP$"):
+        replicated.set_all_reduce_hook(lambda out: None, stream=torch.cpu.Stream())
+    return checks
+
+
+def _with_scalar() -> nn.Module:
+    model = nn.Linear(4, 4)
+    model.register_parameter("scale", nn.Parameter(torch.tensor(1.0)))
+    return model
+
+
+def meta_parameters_are_named_at_the_first_forward():
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    for unit in (model[0], model[1], model):
+        fully_shard(unit, mesh=mesh_1d())
+    with pytest.raises(RuntimeError, match=r"still on meta device: \['0.weight', '0.bias'\];"):  # the first unit's
+        model(torch.randn(2, 4))
+    model.to_empty(device="cpu")
+    with torch.no_grad():
+        for param in model.parameters():
+            param.fill_(0.5)
+    assert model(torch.ones(2, 4)).shape == (2, 2)  # materialized: the next forward checks again and runs
+    return True
+
+
+def all_reduce_hook_runs_on_the_given_stream():
+    stream, seen = torch.cpu.Stream(), []
+    model = fully_shard(nn.Linear(4, 4), mesh=mesh_1d())
+    model.set_all_reduce_hook(lambda out: seen.append(torch.cpu.current_stream() == stream), stream=stream)
+    model(torch.randn(2, 4)).sum().backward()
+    assert seen and all(seen), seen
+    return len(seen)
+
+
 def suite():
     return {fn.__name__: fn for fn in [
+        misuse_raises_the_types_fsdp2_raises, meta_parameters_are_named_at_the_first_forward,
+        all_reduce_hook_runs_on_the_given_stream,
         twice_on_one_module, child_after_parent, module_without_parameters_is_allowed, mesh_of_wrong_dimension,
         bad_shard_placement_fn, bad_policies, ignored_params_of_other_modules_are_accepted, ignored_params_stay_local,
         frozen_mixed_with_trainable_works, ranks_with_different_models_fail_at_first_step,

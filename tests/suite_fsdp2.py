@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import functools
 from typing import NamedTuple
 
 import torch
@@ -157,9 +156,189 @@ def structured_activations_under_mixed_precision():
     return results
 
 
+# ----------------------------------------------------------------------------- custom collectives
+class CountingAllGather:
+    """FSDP2's AllGather protocol over torch's own collective, counting what fullshard asks of it."""
+
+    def __init__(self) -> None:
+        self.allocated, self.calls = [], 0
+
+    def allocate(self, size, *, dtype, device):
+        self.allocated.append(tuple(size))
+        return torch.empty(size, dtype=dtype, device=device)
+
+    def __call__(self, output, input, group, async_op=False):
+        self.calls += 1
+        return torch.distributed.all_gather_into_tensor(output, input, group=group, async_op=async_op)
+
+
+class CountingReduceScatter(CountingAllGather):
+    def __call__(self, output, input, group, op, async_op=False):
+        self.calls += 1
+        return torch.distributed.reduce_scatter_tensor(output, input, op=op, group=group, async_op=async_op)
+
+
+def custom_collectives_carry_the_bytes():
+    """set_custom_all_gather / set_custom_reduce_scatter: every gather and reduction of the unit goes
+    through the user's collectives, on buffers of their allocators, and training matches the reference."""
+    mesh = mesh_1d()
+    comms = {}
+
+    def wrap(model):
+        for layer in model.layers:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        comms["gather"], comms["reduce"] = CountingAllGather(), CountingReduceScatter()
+        model.layers[1].set_custom_all_gather(comms["gather"])
+        model.layers[1].set_custom_reduce_scatter(comms["reduce"])
+        return model
+
+    losses = run_parity(Stack, wrap, make_batch=_stack_batch, loss_fn=_mse, steps=3).losses
+    gather, reduce = comms["gather"], comms["reduce"]
+    # ZeRO-3: gathered for forward and again for backward; reduced once per step
+    assert gather.calls == 2 * 3 and reduce.calls == 3, (gather.calls, reduce.calls)
+    assert len(gather.allocated) == gather.calls and len(reduce.allocated) == reduce.calls
+    return losses
+
+
+def _stack_batch(step: int, batch: int):
+    gen = torch.Generator().manual_seed(300 + step)
+    return torch.randn(batch, 8, generator=gen), torch.randn(batch, 8, generator=gen)
+
+
+# ----------------------------------------------------------------------------- all-gather extensions
+def all_gather_extensions_on_a_local_tensor():
+    """fsdp_pre_all_gather / fsdp_post_all_gather set on a parameter's local tensor object (no subclass)
+    decide what travels (bf16 here) and what the module sees; the pre hook gets the shard dim's mesh."""
+    seen = {"pre": 0, "post": 0, "refill": 0, "mesh": None}
+
+    def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
+        seen["pre"] += 1
+        seen["mesh"] = (mesh.ndim, mesh.size())
+        return (self.to(torch.bfloat16),), None
+
+    @torch.no_grad()
+    def fsdp_post_all_gather(self, outputs, metadata, param_dtype, *, out=None):
+        (gathered,) = outputs
+        assert gathered.dtype == torch.bfloat16, gathered.dtype
+        if out is not None:
+            seen["refill"] += 1
+            out.copy_(gathered)
+            return None
+        seen["post"] += 1
+        upcast = gathered.to(param_dtype)
+        return upcast, (upcast,)
+
+    def wrap(model):
+        for layer in model.layers:
+            fully_shard(layer, mesh=mesh_1d())
+        fully_shard(model, mesh=mesh_1d())
+        for name, param in model.named_parameters():
+            if name.endswith("weight"):
+                local = param._local_tensor
+                local.fsdp_pre_all_gather = fsdp_pre_all_gather.__get__(local)
+                local.fsdp_post_all_gather = fsdp_post_all_gather.__get__(local)
+        return model
+
+    losses = run_parity(Stack, wrap, make_batch=_stack_batch, loss_fn=_mse, steps=3,
+                        rtol=2e-2, atol=2e-2, param_atol=3e-2).losses
+    assert seen["pre"] > 0 and seen["post"] == 3 and seen["refill"] > 0, seen  # built once per weight, then refilled
+    assert seen["mesh"] == (1, torch.distributed.get_world_size()), seen
+    return losses
+
+
+def extensions_must_pad_uneven_shards():
+    model = nn.Linear(8, 3)  # 3 rows on 2 ranks: padded chunks of 2
+    fully_shard(model, mesh=mesh_1d())
+    local = model.weight._local_tensor
+    local.fsdp_pre_all_gather = (lambda self, mesh: ((self,), None)).__get__(local)
+    local.fsdp_post_all_gather = (lambda self, outputs, metadata, dtype, *, out=None: (outputs[0], ())).__get__(local)
+    try:
+        model(torch.randn(2, 8))
+    except ValueError as error:
+        assert "padded sharded size" in str(error) and "weight" in str(error), str(error)
+        return str(error)[:80]
+    raise AssertionError("an unpadded extension input was accepted")
+
+
+# ----------------------------------------------------------------------------- composition, freezing
+class Tower(nn.Module):
+    """A root Linear (left to DDP) over sharded MLP blocks."""
+
+    def __init__(self, width: int = 8) -> None:
+        super().__init__()
+        self.inp = nn.Linear(width, width)
+        self.layers = nn.ModuleList(nn.Sequential(nn.Linear(width, 2 * width), nn.Tanh(), nn.Linear(2 * width, width))
+                                    for _ in range(2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.inp(x)
+        for layer in self.layers:
+            x = x + layer(x)
+        return x
+
+
+def replicate_over_fully_shard_units():
+    """torch's replicate() (DDP) on the root, fully_shard on the blocks: DDP leaves the blocks'
+    parameters to fullshard, as it does FSDP2's, and training matches the reference."""
+    from torch.distributed._composable import replicate
+
+    def wrap(model):
+        for layer in model.layers:
+            fully_shard(layer, mesh=mesh_1d())
+        replicate(model)
+        return model
+
+    result = run_parity(Tower, wrap, make_batch=_stack_batch, loss_fn=_mse, steps=3)
+    return result.losses
+
+
+def freezing_after_fully_shard_is_followed():
+    """requires_grad changed on the sharded parameters after fully_shard (fine-tuning schedules): frozen
+    ones get no gradient and do not train, in every unit and across units, and unfreezing trains them."""
+    mesh = mesh_1d()
+    torch.manual_seed(0)
+    reference = Stack(layers=4)
+    model = copy.deepcopy(reference)
+    for layer in model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    pairs = list(zip(model.parameters(), reference.parameters()))
+    opt = torch.optim.SGD([p for p, _ in pairs], lr=0.1)
+    ref_opt = torch.optim.SGD([r for _, r in pairs], lr=0.1)
+    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    for step in range(4):
+        frozen = {0, 2} if step < 2 else {2} if step == 2 else set()  # interleaved, then unfrozen
+        for index, (layer, ref_layer) in enumerate(zip(model.layers, reference.layers)):
+            for p, r in zip(layer.parameters(), ref_layer.parameters()):
+                p.requires_grad_(index not in frozen)
+                r.requires_grad_(index not in frozen)
+        x, y = _stack_batch(step, 4)
+        if step == 1:
+            with torch.no_grad():
+                model(x.chunk(world)[rank])
+                reference(x)
+        loss = _mse(model, (x.chunk(world)[rank], y.chunk(world)[rank]))
+        loss.backward()
+        _mse(reference, (x, y)).backward()
+        for index, layer in enumerate(model.layers):
+            for p in layer.parameters():
+                assert (p.grad is None) == (index in frozen), (step, index)
+        opt.step(), ref_opt.step()
+        opt.zero_grad(), ref_opt.zero_grad()
+    for p, r in pairs:
+        torch.testing.assert_close(p.full_tensor(), r, rtol=1e-5, atol=1e-6)
+    return True
+
+
 def suite():
     return {
         "registration_follows_fsdp2": registration_follows_fsdp2,
         "state_is_reachable_through_fully_shard": state_is_reachable_through_fully_shard,
         "structured_activations_under_mixed_precision": structured_activations_under_mixed_precision,
+        "custom_collectives_carry_the_bytes": custom_collectives_carry_the_bytes,
+        "all_gather_extensions_on_a_local_tensor": all_gather_extensions_on_a_local_tensor,
+        "extensions_must_pad_uneven_shards": extensions_must_pad_uneven_shards,
+        "replicate_over_fully_shard_units": replicate_over_fully_shard_units,
+        "freezing_after_fully_shard_is_followed": freezing_after_fully_shard_is_followed,
     }

@@ -51,7 +51,7 @@ def test_owned_storage_that_is_also_lent_cannot_be_freed_or_written():
 def test_unknown_storage_cannot_be_freed():
     foreign = buffers.Owned.__new__(buffers.Owned)  # bypass registration: storage fullshard never allocated
     foreign.tensor, foreign.what, foreign.working = torch.randn(4), "a tensor from elsewhere", False
-    foreign._ops = buffers.TORCH_STORAGE
+    foreign._ops, foreign.resizable = buffers.TORCH_STORAGE, True
     foreign._nbytes, foreign._counted = 16, 0
     with pytest.raises(OwnershipError, match="not allocated by fullshard"):
         foreign.reclaim()

@@ -6,9 +6,12 @@
     python tools/fsdp2_suite.py --impl fullshard test_fully_shard_init.py -k lazy_init
     python tools/fsdp2_suite.py --compare RESULTS_TORCH.json RESULTS_FULLSHARD.json
 
-The upstream test files are not part of this repository: point ``--upstream``
-at a folder holding copies of ``test/distributed/_composable/fsdp/*.py`` (the
-file versions must match the installed torch's ``torch.testing._internal``).
+The upstream test files are not part of this repository (never commit them):
+``--upstream`` (default ``.fsdp2-suite/upstream``, ignored by git) holds copies
+of ``test/distributed/_composable/fsdp/*.py`` whose versions import against the
+installed torch's ``torch.testing._internal``; docs/fsdp2-compatibility.md lists
+the ones used. ``--deps`` may hold packages the upstream files need that the
+project's venv lacks (``expecttest``), installed with ``pip install --target``.
 
 How it works
 ------------
@@ -65,7 +68,7 @@ from pathlib import Path
 
 SCRIPT = Path(__file__).resolve()
 REPO = SCRIPT.parent.parent
-DEFAULT_SCRATCH = Path(os.environ.get("FSDP2_SUITE_SCRATCH", "/work/scratch/fsdp2"))
+DEFAULT_SCRATCH = Path(os.environ.get("FSDP2_SUITE_SCRATCH", Path(__file__).resolve().parent.parent / ".fsdp2-suite"))
 
 PUBLIC_NAMES = (
     "fully_shard",
@@ -329,7 +332,6 @@ def _patch_test_bases() -> None:
 
 def _patch_ddp_device_ids() -> None:
     """Reference models: DDP(device_ids=[rank]) means "this rank's GPU"; on CPU, none."""
-    import torch
     from torch.nn.parallel import DistributedDataParallel
 
     orig_init = DistributedDataParallel.__init__

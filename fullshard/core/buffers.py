@@ -165,12 +165,15 @@ def reset_peak_comm_bytes() -> None:
 class Owned:
     """Storage fullshard allocated: it may write, reclaim and regrow it."""
 
-    __slots__ = ("tensor", "what", "working", "_ops", "_nbytes", "_counted", "__weakref__")
+    __slots__ = ("tensor", "what", "working", "resizable", "_ops", "_nbytes", "_counted", "__weakref__")
 
-    def __init__(self, tensor: Any, what: str, ops: StorageOps, working: bool = False) -> None:
+    def __init__(self, tensor: Any, what: str, ops: StorageOps, working: bool = False, resizable: bool = True) -> None:
         self.tensor = tensor
         self.what = what
         self.working = working  # an unsharded parameter's storage, not a transient buffer
+        # False: storage from someone else's allocator made for fullshard (a custom collective's
+        # pool): written by fullshard, but let go of by dropping it, never resized.
+        self.resizable = resizable
         self._ops = ops
         self._nbytes = ops.nbytes(tensor)
         self._counted = self._nbytes
@@ -200,7 +203,10 @@ class Owned:
         return self.tensor
 
     def reclaim(self) -> None:
-        """Free the storage now (every view of it becomes empty)."""
+        """Free the storage now (every view of it becomes empty); pooled storage is only dropped."""
+        if not self.resizable:
+            self.drop()
+            return
         self._check("free (resize to 0)")
         self._ops.resize(self.tensor, 0)
         if _SANITIZER.enabled:

@@ -53,6 +53,10 @@ class Exchange(enum.Enum):
     # an all-gather within a sub-group done as an all-reduce of a buffer that is zero but for each
     # rank's own chunk.
     ZERO_FILLED_ALL_REDUCE = "zero_filled_all_reduce"
+    # The user's own collective (FSDP2's set_custom_all_gather / set_custom_reduce_scatter), called
+    # on buffers from its own allocator: fullshard writes them and lets them go by dropping them
+    # (memory from a communication pool is not fullshard's to resize).
+    CUSTOM = "custom"
 
 
 def backend_for_device(backend: str, device_type: str) -> str:

@@ -52,6 +52,9 @@ class GatherPlan:
     # An owned input is packed straight into this rank's chunk of the output
     # (pairwise exchange sends from there): no separate input buffer.
     packs_into_output: bool = False
+    # The output comes from a custom collective's allocator (Exchange.CUSTOM): written by
+    # fullshard, released by dropping it, never resized.
+    output_pooled: bool = False
 
     @property
     def copies_in(self) -> bool:
@@ -67,6 +70,9 @@ class ReducePlan:
     input: Ownership
     output: Ownership
     sharded_grad: ShardedGrad
+    # The input comes from a custom collective's allocator (Exchange.CUSTOM): packed by
+    # fullshard, released by dropping it, never resized.
+    input_pooled: bool = False
 
     @property
     def copies_in(self) -> bool:
@@ -152,6 +158,11 @@ def plan_gather(
     """
     lone = bucket.is_single
     layout = layouts[bucket.members[0]]
+    if exchange is Exchange.CUSTOM:
+        # The user's collective gathers in place into a buffer of its allocator: this rank's chunk of
+        # it is packed as the input, and the parameters are copied out (that buffer is not ours to keep).
+        return GatherPlan(Ownership.OWNED, Ownership.OWNED, Unsharded.OWN_STORAGE, packs_into_output=True,
+                          output_pooled=True)
     borrow_input = lone and not cast_needed and shard_is_padded_chunk(layout, runtime)
     if runtime.reclaims_views:
         unsharded = Unsharded.VIEW_OF_OUTPUT if lone and layout.gather_is_prefix else Unsharded.OWN_STORAGE
@@ -201,6 +212,9 @@ def plan_reduce(
 
     With offloaded shards the sharded gradient is a copy on the storage device.
 
+    The user's collective (``Exchange.CUSTOM``) reads from a buffer of its own allocator, so the
+    input is always packed there (and dropped afterwards, never resized).
+
     Where collectives only read their input (``runtime.collectives_in_place`` off), an all-reduce
     may borrow the gradient as a reduce-scatter does. Where tensors cannot be scaled in place
     (``runtime.in_place_arithmetic`` off), a gradient that is divided (``divides``) comes out of the
@@ -210,6 +224,14 @@ def plan_reduce(
     lone = bucket.is_single
     layout = layouts[bucket.members[0]]
     scaled_in_place = runtime.in_place_arithmetic or not divides
+    view_grad_of_output = (
+        reduce_dtype_is_param_dtype and not offloaded and all(layouts[i].gather_is_prefix for i in bucket.members)
+        and scaled_in_place
+    )
+    if exchange is Exchange.CUSTOM and not all_reduce:
+        # The user's collective reads its input from a buffer of its allocator: always packed.
+        return ReducePlan(Ownership.OWNED, Ownership.OWNED,
+                          ShardedGrad.VIEW_OF_OUTPUT if view_grad_of_output else ShardedGrad.COPY, input_pooled=True)
     if all_reduce:
         borrow = lone and grad_dtype_is_wire_dtype and grads_contiguous and not runtime.collectives_in_place
         view_grad = reduce_dtype_is_param_dtype and not offloaded and scaled_in_place
@@ -225,10 +247,7 @@ def plan_reduce(
         and grad_dtype_is_wire_dtype
         and grads_contiguous
     )
-    view_grad = (
-        reduce_dtype_is_param_dtype and not offloaded and all(layouts[i].gather_is_prefix for i in bucket.members)
-        and scaled_in_place and exchange is not Exchange.ALL_REDUCE_CHUNK
-    )
+    view_grad = view_grad_of_output and exchange is not Exchange.ALL_REDUCE_CHUNK
     return ReducePlan(
         input=Ownership.BORROWED if borrow else Ownership.OWNED,
         output=Ownership.OWNED,

@@ -20,6 +20,7 @@ from fullshard.torch.policies import (
     as_offload_policy,
 )
 from fullshard.torch import fsdp2_views
+from fullshard.torch.errors import AppliedTwiceError, ShardDimError
 from fullshard.torch.group import ParamGroup
 from fullshard.torch.module import FSDP_CLASSES, FSDPModule, UnshardHandle, register_fsdp_forward_method  # noqa: F401
 from fullshard.torch.param import ShardedParam
@@ -148,14 +149,14 @@ def fully_shard(
             raise TypeError(f"fully_shard expects nn.Module(s), got {type(m).__name__}")
         if isinstance(m, (nn.ModuleList, nn.ModuleDict)):
             raise ValueError(
-                f"fully_shard({type(m).__name__}): a container without forward is never called, so its "
-                "parameters would never be gathered; shard the modules it holds, or pass them as a list "
-                "to form one group: fully_shard(list(container), ...)"
+                f"fully_shard does not support containers that do not implement forward: {type(m).__name__} is "
+                "never called, so its parameters would never be gathered; shard the modules it holds, or pass "
+                "them as a list to form one group: fully_shard(list(container), ...)"
             )
         if hasattr(m, "_fullshard_state"):
-            raise ValueError(
-                f"fully_shard was already applied to {type(m).__name__}; apply it once per module "
-                "(children first, then parents)"
+            raise AppliedTwiceError(
+                f"Each distinct composable distributed API can only be applied to a module once. fully_shard was "
+                f"already applied to {type(m).__name__}; apply it once per module (children first, then parents)"
             )
     try:
         strategy = Strategy.parse(strategy)
@@ -211,9 +212,10 @@ def fully_shard(
             )
         if _is_managed(param):
             raise ValueError(
-                f"fully_shard({name}): parameter '{fqn}' is shared with a module that fully_shard was "
-                "already applied to; tied parameters must belong to one unit: apply fully_shard to "
-                "their common parent only"
+                f"fully_shard({name}): parameter '{fqn}' is already managed by another fully_shard unit (it is "
+                "shared with a module fully_shard was applied to); tied parameters must belong to one unit: "
+                "apply fully_shard to their common parent only, or to both modules as one group: "
+                "fully_shard([module_a, module_b])"
             )
         if not _device_accepted(param.device, device):
             raise ValueError(
@@ -230,14 +232,15 @@ def fully_shard(
             )
         if param.dim() == 0:
             raise ValueError(
-                f"fully_shard({name}): parameter '{fqn}' is a scalar and cannot be sharded; "
-                "pass it in ignored_params or give it shape (1,)"
+                f"fully_shard({name}): parameter '{fqn}' is a scalar and cannot be sharded. Change "
+                f"{fqn.rpartition('.')[2]} to a 1D tensor with numel equal to 1, or pass it in ignored_params"
             )
         dim = placement.dim + param.dim() if placement.dim < 0 else placement.dim
         if not 0 <= dim < param.dim():
-            raise ValueError(
-                f"fully_shard({name}): shard_placement_fn returned Shard({placement.dim}) for '{fqn}' of "
-                f"shape {tuple(param.shape)}; the dim must be in [-{param.dim()}, {param.dim() - 1}]"
+            raise ShardDimError(
+                f"Shard dim {placement.dim} is invalid for {param.dim()}D tensor: fully_shard({name}): "
+                f"shard_placement_fn returned Shard({placement.dim}) for '{fqn}' of shape {tuple(param.shape)}; "
+                f"the dim must be in [-{param.dim()}, {param.dim() - 1}]"
             )
         spec = sharded_spec(param, fqn, name, dp, dim, replicated)
         local_shape = param._local_tensor.shape if isinstance(param, DTensor) else param.shape
@@ -264,7 +267,7 @@ def fully_shard(
     if sharded:
         group = ParamGroup(
             sharded, dp.shard_group, mp.reduce_dtype, name,
-            replicate_group=dp.replicate_group,
+            replicate_group=dp.replicate_group, shard_mesh=dp.shard_mesh, mp_policy=mp,
             all_reduce=flags.all_reduce, reshard_after_backward=flags.reshard_after_backward,
         )
         if post_forward_size is not None:

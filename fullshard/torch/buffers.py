@@ -48,6 +48,12 @@ def allocate(
     return Owned(torch.empty(shape, dtype=dtype, device=device), what, TORCH_STORAGE, working)
 
 
+def allocate_pooled(comm, numel: int, dtype: torch.dtype, device: torch.device, what: str) -> Owned:
+    """A buffer from a custom collective's own allocator (FSDP2's ``AllGather``/``ReduceScatter.allocate``):
+    fullshard writes it and drops it when done, never resizes it (``plan.ownership``: ``*_pooled``)."""
+    return Owned(comm.allocate((numel,), dtype=dtype, device=device), what, TORCH_STORAGE, resizable=False)
+
+
 def adopt(tensor: torch.Tensor, what: str, working: bool = False) -> Owned:
     """Take ownership of the result of an allocating op (a cast to another dtype, a cat).
 

@@ -147,11 +147,13 @@ def gather_bucket(
     exchange: Exchange,
     tag: int,
     kept: Optional[Owned] = None,
+    comm: Any = None,
 ) -> PendingGather:
     """Start the all-gather of one bucket into ``output`` (owned, already sized).
 
     ``kept``: the chunks this rank kept after a partial reshard (``reshard_after_forward=k``);
-    gathered over the smaller ``group`` instead of packing the shards.
+    gathered over the smaller ``group`` instead of packing the shards. ``comm``: the user's
+    collective (``Exchange.CUSTOM``).
     """
     dtype = params[0].compute_dtype
     with torch.no_grad():
@@ -175,7 +177,7 @@ def gather_bucket(
             transient.append(packed)
             source = packed.writable("pack the all-gather input")
             _pack_local_chunks(source, bucket, params)
-        work = transport.all_gather(exchange, out, source, group, tag, input_in_place=in_place)
+        work = transport.all_gather(exchange, out, source, group, tag, input_in_place=in_place, comm=comm)
         if exchange is not Exchange.LOCAL:
             traffic["all_gather"] += out.numel() * out.element_size()
     copy_out = output if plan.unsharded is Unsharded.OWN_STORAGE else None
@@ -207,6 +209,7 @@ class PendingReduce:
     combine: Optional[Callable[[Owned], bool]] = None
     # FSDPModule.set_all_reduce_hook: called on the summed output, in place, before the division.
     hook: Optional[Callable[[torch.Tensor], None]] = None
+    hook_stream: Any = None  # set_all_reduce_hook(stream=...)
 
     def finish(self) -> None:
         wait(self.work, f"gradient reduction of {self.label} (if ranks use different parameters in a step, e.g. "
@@ -218,7 +221,7 @@ class PendingReduce:
         with torch.no_grad():
             out = self.output.writable("divide the reduced gradient")
             if self.hook is not None:
-                self.hook(out)  # the user's hook may write it: the buffer is fullshard's to lend
+                _run_hook(self.hook, out, self.hook_stream)  # it may write: the buffer is fullshard's to lend
             if self.divide_factor != 1:
                 out.div_(self.divide_factor)
             for index, param in enumerate(self.params):
@@ -257,6 +260,17 @@ class PendingReduce:
         buffers.release_all(self.transient, idle=idle)
 
 
+def _run_hook(hook: Callable[[torch.Tensor], None], out: torch.Tensor, stream: Any) -> None:
+    if stream is None:
+        hook(out)
+        return
+    device = torch.get_device_module(out.device.type)
+    stream.wait_stream(device.current_stream())  # the reduction is done on the current stream
+    with device.stream(stream):
+        hook(out)
+    device.current_stream().wait_stream(stream)  # what follows (the division) sees the hook's writes
+
+
 def reduce_bucket(
     bucket: BucketLayout,
     plan: ReducePlan,
@@ -270,6 +284,7 @@ def reduce_bucket(
     exchange: Exchange,
     tag: int,
     all_reduce: bool = False,
+    comm: Any = None,
 ) -> PendingReduce:
     """Start the reduce-scatter (sum) of one bucket's unsharded gradients.
 
@@ -287,7 +302,9 @@ def reduce_bucket(
         if plan.input is Ownership.BORROWED:
             source: Owned | Borrowed = buffers.borrow(grads[0].view(-1), f"gradient of {label}")
         else:
-            source = buffers.allocate(bucket.total_numel, wire_dtype, device, f"reduce-scatter input of {label}")
+            what = f"reduce-scatter input of {label}"
+            source = (buffers.allocate_pooled(comm, bucket.total_numel, wire_dtype, device, what) if plan.input_pooled
+                      else buffers.allocate(bucket.total_numel, wire_dtype, device, what))
             pack_rank_chunks(source.writable("pack the reduce-scatter input"), bucket, params, grads)
         present = [g is not None for g in grads]
         if all_reduce:
@@ -302,7 +319,7 @@ def reduce_bucket(
         ]
         work = transport.reduce_scatter(
             exchange, output.writable("reduce-scatter into"), source.tensor, group, tag,
-            [buffer.writable("receive a peer's gradient chunk") for buffer in scratch],
+            [buffer.writable("receive a peer's gradient chunk") for buffer in scratch], comm=comm,
         )
         if exchange is not Exchange.LOCAL:
             traffic["reduce_scatter"] += source.tensor.numel() * source.tensor.element_size()

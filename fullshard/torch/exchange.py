@@ -44,6 +44,18 @@ class PairwiseWork:
         return True
 
 
+class _CustomWork:
+    """What a user's collective returned: its work to wait on, or None when it ran synchronously."""
+
+    def __init__(self, work: Any) -> None:
+        self._work = work
+
+    def wait(self) -> bool:
+        if self._work is not None:
+            self._work.wait()
+        return True
+
+
 def _peers(group: Optional[dist.ProcessGroup]) -> tuple[int, list[tuple[int, int]]]:
     """This rank's index in ``group`` and (index, global rank) of every other member."""
     me = dist.get_rank(group)
@@ -57,15 +69,18 @@ def _peers(group: Optional[dist.ProcessGroup]) -> tuple[int, list[tuple[int, int
 
 def all_gather(
     exchange: Exchange, output: torch.Tensor, input: torch.Tensor, group: Optional[dist.ProcessGroup],
-    tag: int, input_in_place: bool = False,
+    tag: int, input_in_place: bool = False, comm: Any = None,
 ) -> Any:
     """``output`` (rank-major) receives every rank's ``input``.
 
     ``input_in_place``: the caller already wrote ``input`` as this rank's chunk
-    of ``output`` (pairwise only; the plan says so, nothing is inferred here).
+    of ``output`` (the plan says so, nothing is inferred here). ``comm``: the
+    user's collective for ``Exchange.CUSTOM`` (FSDP2's ``AllGather``).
     """
     if exchange is Exchange.COLLECTIVE:
         return _all_gather(output, input, group=group, async_op=True)
+    if exchange is Exchange.CUSTOM:
+        return _CustomWork(comm(output, input, group, async_op=True))
     if exchange is Exchange.LOCAL:
         if not input_in_place:
             output.copy_(input)
@@ -89,7 +104,7 @@ def all_reduce_sum(exchange: Exchange, buffer: torch.Tensor, group: Optional[dis
 
 def reduce_scatter(
     exchange: Exchange, output: torch.Tensor, input: torch.Tensor, group: Optional[dist.ProcessGroup],
-    tag: int, scratch: Sequence[torch.Tensor] = (),
+    tag: int, scratch: Sequence[torch.Tensor] = (), comm: Any = None,
 ) -> Any:
     """``output`` receives the sum over ranks of this rank's chunk of each rank's ``input`` (read only).
 
@@ -101,6 +116,8 @@ def reduce_scatter(
     """
     if exchange is Exchange.COLLECTIVE:
         return _reduce_scatter(output, input, op=dist.ReduceOp.SUM, group=group, async_op=True)
+    if exchange is Exchange.CUSTOM:
+        return _CustomWork(comm(output, input, group, dist.ReduceOp.SUM, async_op=True))
     if exchange is Exchange.LOCAL:  # a group of one: the sum is this rank's own chunk
         output.copy_(input.view(-1))
         return PairwiseWork([])

@@ -11,10 +11,11 @@ three calls with fullshard's own reduction; nothing else of FSDP2's state exists
 """
 from __future__ import annotations
 
+from collections import OrderedDict
 from types import SimpleNamespace
 
 import torch.nn as nn
-from torch.distributed._composable.contract import STATE_KEY
+from torch.distributed._composable.contract import REGISTRY_KEY, STATE_KEY, RegistryItem
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
 from fullshard.torch.state import ShardState
@@ -46,6 +47,9 @@ class _StateView:
 
 
 def expose(module: nn.Module, state: ShardState) -> None:
-    """Answer ``torch.distributed.fsdp.fully_shard.state(module)`` with a view of ``state``."""
+    """Answer ``torch.distributed.fsdp.fully_shard.state(module)`` with a view of ``state``, and mark the
+    module in torch's registry of composable APIs as ``fully_shard``ed: torch's ``replicate()`` applied
+    over fullshard units (DDP on the root) then leaves their parameters to fullshard, as it does FSDP2's."""
     # fully_shard.state(m) looks its state up under the undecorated function.
     module.__dict__.setdefault(STATE_KEY, {})[torch_fully_shard.__wrapped__] = _StateView(state)
+    module.__dict__.setdefault(REGISTRY_KEY, OrderedDict()).setdefault("fully_shard", RegistryItem())

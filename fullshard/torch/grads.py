@@ -51,6 +51,7 @@ class GradReducer:
         # FSDPModule controls: see set_reduce_scatter_unused_params, set_all_reduce_hook.
         self.reduce_unused_params = False
         self.all_reduce_hook: Optional[Callable[[torch.Tensor], None]] = None
+        self.all_reduce_hook_stream = None  # where the hook runs (None: the current stream)
         # Called after every accumulated gradient (the unit makes sure its root's end of backward will come).
         self.on_grad: Optional[Callable[[], None]] = None
         self.plan: GroupPlan
@@ -109,12 +110,14 @@ class GradReducer:
                 reduce_dtype_is_param_dtype=reduce_dtype == members[0].stored_dtype,
                 all_reduce=self.all_reduce,
                 offloaded=members[0].offloaded,
+                exchange=plan.reduce_exchange,
             )
             reduction = reduce_bucket(
                 bucket, reduction_plan, members, grads, reduce_dtype, wire, self.process_group, divide,
-                plan.labels[index], plan.exchange, plan.reduce_tags[index], all_reduce=self.all_reduce,
+                plan.labels[index], plan.reduce_exchange, plan.reduce_tags[index], all_reduce=self.all_reduce,
+                comm=plan.custom_reduce_scatter,
             )
-            reduction.hook = self.all_reduce_hook
+            reduction.hook, reduction.hook_stream = self.all_reduce_hook, self.all_reduce_hook_stream
             if self.replicate_group is not None:
                 reduction.combine = functools.partial(self._sum_across_replicas, index)
             pending.append(reduction)

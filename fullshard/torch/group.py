@@ -11,7 +11,7 @@ What ties them is here: re-planning when the user replaced parameters.
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -33,6 +33,8 @@ class ParamGroup:
         reshard_after_backward: bool = True,
         replicate_group: Optional[dist.ProcessGroup] = None,
         fuse_below_numel: Optional[int] = None,
+        shard_mesh: Any = None,
+        mp_policy: Any = None,
     ) -> None:
         self.params = params
         self.process_group = process_group
@@ -42,13 +44,18 @@ class ParamGroup:
         self.unshard_in_backward = True
         self._reduce_dtype = reduce_dtype
         self._fuse_below_numel = fuse_below_numel
+        # FSDPModule.set_custom_all_gather / set_custom_reduce_scatter (the plan uses them from then on)
+        self.custom_all_gather: Any = None
+        self.custom_reduce_scatter: Any = None
         self.reducer = GradReducer(params, process_group, self.world, all_reduce, replicate_group)
-        self.unsharder = Unsharder(params, process_group, all_reduce, self.reducer.on_grad_accumulated)
+        self.unsharder = Unsharder(params, process_group, all_reduce, self.reducer.on_grad_accumulated,
+                                   shard_mesh, mp_policy)
         self._plan(module_name)
 
     def _plan(self, module_name: str) -> None:
         self.plan = GroupPlan(
-            self.params, self.process_group, self.world, self._reduce_dtype, module_name, self._fuse_below_numel
+            self.params, self.process_group, self.world, self._reduce_dtype, module_name, self._fuse_below_numel,
+            self.custom_all_gather, self.custom_reduce_scatter,
         )
         self.unsharder.replan(self.plan)
         self.reducer.plan = self.plan
@@ -74,5 +81,9 @@ class ParamGroup:
         """Follow parameters the user replaced; re-plan and drop unsharded copies if any changed."""
         changed = [param.refresh_from_module() for param in self.params]
         if any(changed):
-            self.unsharder.reshard()
-            self._plan(self.module_name)
+            self.replan()
+
+    def replan(self) -> None:
+        """Plan afresh (parameters replaced, custom collectives set): unsharded copies are rebuilt."""
+        self.unsharder.reshard()
+        self._plan(self.module_name)

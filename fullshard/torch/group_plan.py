@@ -7,12 +7,12 @@ device), and renames when the root learns the modules' paths.
 from __future__ import annotations
 
 import os
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
 
-from fullshard.plan import GatherPlan, choose_exchange, exchange_tag, plan_buckets, plan_gather, wire_dtype
+from fullshard.plan import Exchange, GatherPlan, choose_exchange, exchange_tag, plan_buckets, plan_gather, wire_dtype
 from fullshard.plan.exchange import EXCHANGE_ENV
 from fullshard.plan.layout import DEFAULT_FUSE_BELOW_NUMEL
 from fullshard.torch.param import ShardedParam
@@ -32,21 +32,32 @@ class GroupPlan:
         reduce_dtype: Optional[torch.dtype],
         module_name: str,
         fuse_below_numel: Optional[int] = None,
+        custom_all_gather: Any = None,
+        custom_reduce_scatter: Any = None,
     ) -> None:
         self.params = params
         self.module_name = module_name
         self._reduce_dtype = reduce_dtype
         layouts = tuple(p.layout for p in params)
         self.layouts = layouts
-        # Only parameters of the same dtypes and trainability share a buffer.
-        kinds = tuple((p.stored_dtype, p.compute_dtype, p.requires_grad) for p in params)
+        # Only parameters of the same dtypes and trainability share a buffer; one whose local tensor
+        # has all-gather extensions (fsdp_pre/post_all_gather) travels alone, the way its hooks say.
+        kinds = tuple(
+            ("extension", index) if p.extension is not None else (p.stored_dtype, p.compute_dtype, p.requires_grad)
+            for index, p in enumerate(params)
+        )
         fuse = DEFAULT_FUSE_BELOW_NUMEL if fuse_below_numel is None else fuse_below_numel
         self.buckets = plan_buckets(layouts, fuse, kinds)
         self.exchange = choose_exchange(
             dist.get_backend(process_group), params[0].device.type, world, os.environ.get(EXCHANGE_ENV)
         )
+        # FSDPModule.set_custom_all_gather / set_custom_reduce_scatter: the user's collectives.
+        self.custom_all_gather, self.custom_reduce_scatter = custom_all_gather, custom_reduce_scatter
+        self.gather_exchange = Exchange.CUSTOM if custom_all_gather is not None else self.exchange
+        self.reduce_exchange = Exchange.CUSTOM if custom_reduce_scatter is not None else self.exchange
         self.gather_plans: list[GatherPlan] = [
-            plan_gather(b, layouts, cast_needed=params[b.members[0]].converts_for_compute, exchange=self.exchange)
+            plan_gather(b, layouts, cast_needed=params[b.members[0]].converts_for_compute,
+                        exchange=self.gather_exchange)
             for b in self.buckets
         ]
         self._name_buckets()
@@ -88,4 +99,4 @@ class GroupPlan:
         """
         if all_reduce or accumulated_without_sync:
             return reduce_dtype
-        return getattr(torch, wire_dtype(self.exchange, dtype_name(compute_dtype), dtype_name(reduce_dtype)))
+        return getattr(torch, wire_dtype(self.reduce_exchange, dtype_name(compute_dtype), dtype_name(reduce_dtype)))

@@ -12,6 +12,7 @@ from torch.distributed import fsdp as torch_fsdp
 # torch's own classes, taken once at import (see policies.py for why not at call time).
 _TORCH_FSDP_MODULE = torch_fsdp.FSDPModule
 
+from fullshard.torch.errors import DeepcopyError
 from fullshard.torch.state import ShardState
 
 
@@ -171,13 +172,14 @@ class FSDPModule(torch_fsdp.FSDPModule):
     def set_all_reduce_hook(self, hook: Callable[[torch.Tensor], None], *, stream: Any = None) -> None:
         """Call ``hook(reduced)`` on each reduced gradient bucket of this module's group, in place,
         before the division by the world size (after the replica all-reduce under HSDP): e.g. to
-        all-reduce across replicas fullshard does not know of. ``stream`` must be None: fullshard
-        reduces on the current stream."""
-        if stream is not None:
-            raise ValueError("set_all_reduce_hook: fullshard runs the hook on the current stream; pass stream=None")
+        all-reduce across replicas fullshard does not know of. ``stream``: run it there (the current
+        stream then waits for it); not with HSDP, whose own all-reduce runs where the hook would."""
         if not callable(hook):
             raise ValueError(f"set_all_reduce_hook expects a callable, got {type(hook).__name__}")
-        self._configure(False, "reducer", all_reduce_hook=hook)
+        group = self._fullshard_state.group
+        if stream is not None and group is not None and group.reducer.replicate_group is not None:
+            raise ValueError("stream cannot be set when using native HSDP")  # FSDP2's words, exactly
+        self._configure(False, "reducer", all_reduce_hook=hook, all_reduce_hook_stream=stream)
 
     def set_post_optim_event(self, event: Any) -> None:
         """Make the next forward's all-gathers wait for ``event`` (recorded after the optimizer step).
@@ -200,36 +202,56 @@ class FSDPModule(torch_fsdp.FSDPModule):
         )
 
     def set_allocate_memory_from_process_group_for_comm(self, *args: Any, **kwargs: Any) -> None:
+        group = self._fullshard_state.group
+        if group is not None and (group.custom_all_gather is not None or group.custom_reduce_scatter is not None):
+            raise AssertionError(
+                "set_allocate_memory_from_process_group_for_comm after set_custom_all_gather / "
+                "set_custom_reduce_scatter: the custom collectives allocate their own buffers"
+            )
         self._ignored_hint("set_allocate_memory_from_process_group_for_comm")
 
     def set_symm_mem_for_comm(self, *args: Any, **kwargs: Any) -> None:
         self._ignored_hint("set_symm_mem_for_comm")
 
-    def set_reduce_scatter_max_input_buffers(self, *args: Any, **kwargs: Any) -> None:
+    def set_reduce_scatter_max_input_buffers(self, max_input_buffers: int, *args: Any, **kwargs: Any) -> None:
+        if isinstance(max_input_buffers, bool) or not isinstance(max_input_buffers, int):
+            raise TypeError(f"set_reduce_scatter_max_input_buffers expects an int, got {max_input_buffers!r}")
+        if max_input_buffers < 1:
+            raise ValueError(f"set_reduce_scatter_max_input_buffers expects at least 1, got {max_input_buffers}")
         self._ignored_hint("set_reduce_scatter_max_input_buffers")
 
     def _set_unshard_async_op(self, *args: Any, **kwargs: Any) -> None:
         self._ignored_hint("_set_unshard_async_op")
 
-    def _unsupported(self, method: str) -> None:
-        raise NotImplementedError(
-            f"{type(self).__name__}.{method}: fullshard chooses its own collectives for each bucket "
-            "(see fullshard.plan.exchange) and does not take user-supplied ones; drop the call"
-        )
-
     def set_custom_all_gather(self, comm: Any) -> None:
-        self._unsupported("set_custom_all_gather")
+        """Gather this module's parameters with ``comm`` (FSDP2's ``AllGather``: ``allocate(size, dtype=,
+        device=)`` and ``comm(output, input, group, async_op)``). fullshard packs this rank's chunk into the
+        buffer ``comm.allocate`` gives, copies the parameters out, and drops that buffer (never resizes it)."""
+        self._set_custom_comm("custom_all_gather", comm)
 
     def set_custom_reduce_scatter(self, comm: Any) -> None:
-        self._unsupported("set_custom_reduce_scatter")
+        """Reduce this module's gradients with ``comm`` (FSDP2's ``ReduceScatter``: ``allocate`` and
+        ``comm(output, input, group, op, async_op)``), its input packed in a buffer of ``comm.allocate``."""
+        self._set_custom_comm("custom_reduce_scatter", comm)
+
+    def _set_custom_comm(self, attribute: str, comm: Any) -> None:
+        if comm is not None and not (callable(comm) and callable(getattr(comm, "allocate", None))):
+            raise ValueError(f"{attribute}: expects an object with allocate() that can be called, got {comm!r}")
+        group = self._fullshard_state.group
+        if group is not None:
+            setattr(group, attribute, comm)
+            group.replan()
 
     def set_separate_reduce_scatter_group(self, enable: bool, *args: Any, **kwargs: Any) -> None:
         if enable:
-            self._unsupported("set_separate_reduce_scatter_group")
+            raise NotImplementedError(
+                f"{type(self).__name__}.set_separate_reduce_scatter_group: fullshard reduces on the group it "
+                "gathers on; drop the call"
+            )
 
     def __deepcopy__(self, memo: dict) -> Any:
-        raise TypeError(
-            f"copy.deepcopy of a sharded {type(self).__name__} is not supported (nor by FSDP2): its "
+        raise DeepcopyError(
+            f"FSDP does not support deepcopy. copy.deepcopy of a sharded {type(self).__name__} is not supported: its "
             "parameters are shards bound to process groups. Deepcopy the model before fully_shard, or "
             "build a new one and load a state dict into it."
         )

@@ -22,7 +22,7 @@ from fullshard.plan import ShardLayout, stores_padded_chunk
 from fullshard.torch.spmd import ShardedSpec
 
 
-def _contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
+def contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
     stride, running = [], 1
     for size in reversed(shape):
         stride.append(running)
@@ -100,10 +100,10 @@ class ShardedParam:
         """Copy a local shard into storage fullshard keeps for the sharded parameter."""
         layout = self.layout
         if stores_padded_chunk(layout):
-            self.padded_chunk = torch.zeros(
-                layout.padded_chunk_shape, dtype=local.dtype, device=local.device,
-                pin_memory=self.pin_memory and local.device.type == "cpu",
-            )
+            if self.pin_memory and local.device.type == "cpu":
+                self.padded_chunk = torch.zeros(layout.padded_chunk_shape, dtype=local.dtype, pin_memory=True)
+            else:  # new_zeros keeps a tensor subclass the parameter is (e.g. one with all-gather extensions)
+                self.padded_chunk = local.new_zeros(layout.padded_chunk_shape)
             stored = self.padded_chunk.narrow(layout.dim, 0, local.shape[layout.dim])
             stored.copy_(local)
             return stored
@@ -117,12 +117,13 @@ class ShardedParam:
             self.placements,
             run_check=False,
             shape=self.spec.shape,
-            stride=_contiguous_stride(self.spec.shape),
+            stride=contiguous_stride(self.spec.shape),
         )
         self.sharded = nn.Parameter(dtensor, requires_grad=self.requires_grad)
         # The parameter's own local tensor (from_local and Parameter each make a view of
         # ``local``): what refresh_from_module compares against to see a replacement.
         self._local = self.sharded._local_tensor
+        self.extended = self.extension is not None
         self.register_sharded()
 
     @torch.inference_mode(False)  # new storage must be an ordinary tensor even under inference_mode
@@ -138,7 +139,14 @@ class ShardedParam:
         module, name = self.owners[0]
         current = module._parameters.get(name)
         if current is self.sharded and current._local_tensor is self._local:
-            return False
+            extended = self.extension is not None
+            if current.requires_grad == self.requires_grad and extended == self.extended:
+                return False
+            self.extended = extended  # extensions patched onto the local tensor after fully_shard
+            # Frozen or unfrozen after fully_shard (fine-tuning): the buckets, which only join
+            # parameters of one trainability, and the unsharded parameters follow.
+            self.requires_grad = current.requires_grad
+            return True
         if current is not None and current is self.unsharded:
             return False  # shown by an explicit unshard(); the sharded parameter is the one kept here
         if not isinstance(current, DTensor) or current.shape != self.spec.shape:
@@ -163,8 +171,21 @@ class ShardedParam:
             # DTensor keeps no padding: re-create fullshard's padded storage around the new data
             current._local_tensor = self._store_local(current._local_tensor)
         self.sharded, self._local = current, current._local_tensor
+        self.extended = self.extension is not None
         self.register_sharded()
         return True
+
+    @property
+    def extension(self) -> Optional[torch.Tensor]:
+        """The local tensor, if it defines FSDP2's all-gather extensions (``fullshard.torch.extensions``)."""
+        local = self.sharded._local_tensor
+        pre, post = hasattr(local, "fsdp_pre_all_gather"), hasattr(local, "fsdp_post_all_gather")
+        if pre != post:
+            raise ValueError(
+                f"parameter '{self.fqn}' defines only one of fsdp_pre_all_gather and fsdp_post_all_gather; "
+                "all-gather extensions need both"
+            )
+        return local if pre else None
 
     @property
     def converts_for_compute(self) -> bool:
@@ -188,7 +209,7 @@ class ShardedParam:
         local = full.narrow(layout.dim, layout.local_offset(self.rank), layout.local_length(self.rank))
         return DTensor.from_local(
             local.to(self.storage_device), self.mesh, self.placements, run_check=False,
-            shape=self.spec.shape, stride=_contiguous_stride(self.spec.shape),
+            shape=self.spec.shape, stride=contiguous_stride(self.spec.shape),
         )
 
     def make_unsharded(self, data: torch.Tensor) -> nn.Parameter:
@@ -237,7 +258,7 @@ class ShardedParam:
                 self.placements,
                 run_check=False,
                 shape=self.spec.shape,
-                stride=_contiguous_stride(self.spec.shape),
+                stride=contiguous_stride(self.spec.shape),
             )
         # Autograd never accumulates into the sharded parameter (modules compute with the
         # unsharded one), so the hooks registered on it are fullshard's to run.

@@ -18,6 +18,7 @@ from torch.profiler import record_function
 from fullshard.core.phases import TrainingPhase
 from fullshard.torch import checks
 from fullshard.torch.collectives import PendingReduce
+from fullshard.torch.errors import NotMaterializedError
 
 if TYPE_CHECKING:
     from fullshard.torch.state import ShardState
@@ -152,6 +153,17 @@ class RootContext:
                 state.group.unsharder.abandon()
 
     # ------------------------------------------------------------------ agreement
+    def check_materialized(self) -> None:
+        """Parameters still on the meta device would be trained as garbage: name them (FSDP2's words)."""
+        for group in self.groups:
+            meta = [p.fqn for p in group.params if p.sharded.device.type == "meta"]
+            if meta:
+                raise NotMaterializedError(
+                    "FSDP parameters should be materialized from meta device before training, but the following "
+                    f"were still on meta device: {meta}; call model.to_empty(device=...) and initialize them "
+                    "(e.g. fullshard.torch.materialize.materialize(model)) before the first forward"
+                )
+
     def check_ranks_agree(self) -> None:
         """Fail at the first step, not hang later, if ranks wrapped different models."""
         groups = self.groups

@@ -26,6 +26,8 @@ from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor.placement_types import _StridedShard
 
+from fullshard.torch.errors import MeshError
+
 
 @dataclass(frozen=True)
 class DataParallelMeshDims:
@@ -71,6 +73,14 @@ class DataParallelMesh:
         return self.mesh.get_group(self.replicate_dim)
 
     @property
+    def shard_mesh(self) -> DeviceMesh:
+        """The 1-D mesh of the shard dim (what all-gather extensions are told)."""
+        if self.mesh.ndim == 1:
+            return self.mesh
+        index = self.shard_dim if self.shard_dim is not None else self.replicate_dim
+        return self.mesh[self.mesh.mesh_dim_names[index]]
+
+    @property
     def shard_rank(self) -> int:
         return self.mesh.get_local_rank(self.shard_dim) if self.shard_dim is not None else 0
 
@@ -85,9 +95,14 @@ def data_parallel_mesh(mesh: DeviceMesh, dp_mesh_dims, name: str) -> DataParalle
     if dp_mesh_dims is None:
         if mesh.ndim not in (1, 2):
             raise ValueError(
-                f"fully_shard({name}): mesh must be 1-D (shard) or 2-D (replicate, shard) for HSDP, got "
-                f"{mesh.ndim}-D with dims {mesh.mesh_dim_names}; for a mesh with model-parallel dims too, "
-                "pass dp_mesh_dims naming the data-parallel ones, or pass mesh[<dp dims>]"
+                f"fully_shard expects a 1D or 2D DeviceMesh but got {mesh}: fully_shard({name}) takes a 1-D (shard) "
+                "or 2-D (replicate, shard) mesh for HSDP; for a mesh with model-parallel dims too, pass "
+                "dp_mesh_dims naming the data-parallel ones, or pass mesh[<dp dims>]"
+            )
+        if mesh.ndim == 2 and mesh.mesh_dim_names is None:
+            raise MeshError(
+                f"Please init the 2D mesh for HSDP with mesh_dim_names specified: fully_shard({name}) got {mesh}; "
+                "build it with init_device_mesh(..., mesh_dim_names=('replicate', 'shard'))"
             )
         return DataParallelMesh(mesh, mesh.ndim - 1, 0 if mesh.ndim == 2 else None, spmd=False)
     shard, replicate = dp_mesh_dims.shard_names, dp_mesh_dims.replicate_names

@@ -153,7 +153,13 @@ class ShardState:
                 state = getattr(sub, "_fullshard_state", None)
                 if state is not None and state not in context.states:
                     context.adopt(name, state)  # also takes over a unit that ran alone before
-        context.check_ranks_agree()
+        try:
+            context.check_materialized()
+            context.check_ranks_agree()
+        except Exception:
+            for state in context.states:  # undone: the next forward checks again
+                state.context, state.is_root = None, None
+            raise
         return context
 
     def _ensure_context(self) -> RootContext:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import enum
 import weakref
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -26,6 +26,7 @@ from fullshard.plan import Unsharded
 from fullshard.torch import buffers
 from fullshard.torch.buffers import Owned
 from fullshard.torch.collectives import PendingGather, gather_bucket, pack_rank_chunks
+from fullshard.torch.extensions import ExtensionState, gather_extended
 from fullshard.torch.group_plan import GroupPlan
 from fullshard.torch.param import ShardedParam
 
@@ -43,8 +44,14 @@ class Unsharder:
         process_group: dist.ProcessGroup,
         replicated: bool,
         on_grad_accumulated: Callable[[int], None],
+        shard_mesh: Any = None,
+        mp_policy: Any = None,
     ) -> None:
         self.params = params
+        # What all-gather extensions' pre hooks are told (FSDP2's arguments): the shard dim's 1-D mesh
+        # and the policy (see extensions.py).
+        self.shard_mesh, self.mp_policy = shard_mesh, mp_policy
+        self._extensions: dict[int, ExtensionState] = {}  # bucket index -> what an extended parameter keeps
         self.process_group = process_group
         self.replicated = replicated  # no_shard: nothing to gather, the replica is the unsharded parameter
         self._on_grad_accumulated = on_grad_accumulated
@@ -71,6 +78,7 @@ class Unsharder:
         self._hooks.clear()
         self.plan = plan
         self._view_outputs = [None] * len(plan.buckets)
+        self._extensions = {}
 
     # ------------------------------------------------------------------ unshard
     # Under torch.inference_mode, the buffers gathered into would become inference
@@ -96,15 +104,23 @@ class Unsharder:
         device = self.params[0].device
         for index, (bucket, gather) in enumerate(zip(plan.buckets, plan.gather_plans)):
             members = plan.members(index)
-            output = self._gather_output(index, device, members)
             label, tag = plan.labels[index], plan.gather_tags[index]
+            if members[0].extended:
+                state = self._extensions.setdefault(index, ExtensionState())
+                self._pending.append(gather_extended(
+                    members[0], state, self.process_group, self.shard_mesh, members[0].owners[0][0], self.mp_policy,
+                    plan.exchange, label,
+                ))
+                continue
+            output = self._gather_output(index, device, members)
             if kept:
                 pending = gather_bucket(
                     bucket, gather, members, output, self.post_forward_group, label, plan.exchange, tag,
                     kept=kept[index],
                 )
             else:
-                pending = gather_bucket(bucket, gather, members, output, self.process_group, label, plan.exchange, tag)
+                pending = gather_bucket(bucket, gather, members, output, self.process_group, label,
+                                        plan.gather_exchange, tag, comm=plan.custom_all_gather)
             self._pending.append(pending)
         self.state = GroupState.UNSHARDING
 
@@ -155,7 +171,10 @@ class Unsharder:
                 self._make_unsharded(param, param.unsharded_storage.tensor)
             else:
                 param.unsharded_storage.regrow()
-        return buffers.allocate(bucket.total_numel, dtype, device, f"all-gather output of {plan.labels[index]}")
+        what = f"all-gather output of {plan.labels[index]}"
+        if gather.output_pooled:
+            return buffers.allocate_pooled(plan.custom_all_gather, bucket.total_numel, dtype, device, what)
+        return buffers.allocate(bucket.total_numel, dtype, device, what)
 
     def _make_unsharded(self, param: ShardedParam, data: torch.Tensor) -> None:
         param.make_unsharded(data)
@@ -177,7 +196,9 @@ class Unsharder:
         if self.state is GroupState.UNSHARDING:
             pending, self._pending = self._pending, []
             for gather in pending:
-                gather.finish()
+                unsharded = gather.finish()
+                if unsharded is not None:  # an extension's post hook built it, the first time
+                    self._make_unsharded(gather.param, unsharded)
             self._become_unsharded()
 
     def _become_unsharded(self) -> None:
@@ -200,6 +221,12 @@ class Unsharder:
         if self.state is GroupState.SHARDED:
             return
         plan = self.plan
+        if self._extensions:
+            raise NotImplementedError(
+                f"reshard_after_forward=<int> with all-gather extensions (module '{plan.module_name}'): the "
+                "extensions' hooks decide what is gathered, so the chunks cannot be kept for a smaller group; "
+                "use reshard_after_forward=True or False"
+            )
         group_size = dist.get_world_size(self.post_forward_group)
         world = dist.get_world_size(self.process_group)
         span = world // group_size
@@ -229,6 +256,8 @@ class Unsharder:
         for param in self.params:
             if param.unsharded_storage is not None:
                 param.unsharded_storage.reclaim()
+        for extension in self._extensions.values():
+            extension.reclaim()
         self._become_sharded()
 
     def mark_stale(self) -> None:
@@ -264,13 +293,18 @@ class Unsharder:
         failed = False
         for gather in pending:
             try:
-                gather.finish()
+                unsharded = gather.finish()
+                if unsharded is not None:
+                    self._make_unsharded(gather.param, unsharded)
             except Exception:  # the step is abandoned either way; only the buffers' lifetime matters
                 gather.abandon()
                 failed = True
         if failed:
             for output in self._view_outputs:
                 if output is not None:
+                    output.drop()
+            for extension in self._extensions.values():
+                for output in extension.outputs:
                     output.drop()
             for param in self.params:
                 if param.unsharded_storage is not None:
