@@ -162,8 +162,9 @@ def run_parity(
     wrap(sharded)
     ref_params = reference.trainable_params()
     params = sharded.trainable_params()
-    ref_opt = nn.Adam(ref_params, learning_rate=lr)
-    opt = nn.Adam(params, learning_rate=lr)
+    if optimize:
+        ref_opt = nn.Adam(ref_params, learning_rate=lr)
+        opt = nn.Adam(params, learning_rate=lr)
     result = Parity()
     for step in range(steps):
         ids, labels = data(step, batch)

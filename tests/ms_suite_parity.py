@@ -20,7 +20,6 @@ from tests.ms_parity import (
     lm_batch,
     lm_loss,
     local_rows,
-    mean_over_ranks,
     run_parity,
     shard_of,
     world,
@@ -425,6 +424,47 @@ def bf16_travels_as_fp16_bits():
     return {**result.as_dict(), "traffic": traffic_bytes()}
 
 
+class Reused(TinyLM):
+    """One block applied twice in a forward: its unit is gathered and reduced once per use."""
+
+    def construct(self, ids):
+        x = self.emb(ids)
+        x = self.layers[0](self.layers[0](x))
+        return self.head(self.norm(self.layers[1](x)))
+
+
+def unit_used_twice():
+    return run_parity(Reused).as_dict()
+
+
+class Narrow(nn.Cell):
+    """A (1, 8) matrix on 2 ranks: rank 1's shard is empty."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(7, 8)
+        self.score = nn.Dense(8, 1)
+        self.out = nn.Dense(1, 7)
+
+    def construct(self, ids):
+        return self.out(ops.tanh(self.score(self.emb(ids))))
+
+
+def empty_shard():
+    """torch.chunk semantics: the last rank may hold nothing. fully_shard says what that means for
+    MindSpore's optimizers; the gradients (empty on that rank) are still right."""
+    import warnings
+
+    def wrap(net):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            fs.fully_shard(net)
+        texts = [str(w.message) for w in caught]
+        assert any("'score.weight'" in t and "rank(s) [1] hold none" in t for t in texts), texts
+        assert net.score.weight.shape == ((1, 8) if fs_rank() == 0 else (0, 8))
+    return run_parity(Narrow, wrap, steps=1, optimize=False).as_dict()
+
+
 def suite():
     return {
         "zero3_default": zero3_default,
@@ -447,4 +487,6 @@ def suite():
         "replicate_params": replicate_params,
         "ignored_params": ignored_params,
         "bf16_travels_as_fp16_bits": bf16_travels_as_fp16_bits,
+        "unit_used_twice": unit_used_twice,
+        "empty_shard": empty_shard,
     }
