@@ -16,6 +16,7 @@ from fullshard.mindspore import collectives
 from tests.ms_parity import (
     TinyLM,
     assert_close,
+    gathered_bytes,
     init_numpy,
     lm_batch,
     lm_loss,
@@ -278,10 +279,6 @@ def clip_grad_norm():
     return {"norms": norms}
 
 
-def _gathers(net):
-    return traffic_bytes()["all_gather"]
-
-
 def unshard_reshard():
     """unshard(): the attributes show full tensors and forward runs on them without gathering; reshard()
     frees them and shows the shards."""
@@ -300,7 +297,9 @@ def unshard_reshard():
     _, ref_grads = ms.value_and_grad(lambda: lm_loss(reference, ids, labels), None, ref_params)()
     for param, grad, ref in zip(params, grads, ref_grads):
         assert_close(grad.asnumpy(), shard_of(ref.asnumpy(), param), f"gradient of {param.name}")
-    # the unsharded layer was not gathered again in forward; backward freed it (ZeRO-3) unless kept
+    # the unsharded layer was gathered neither in forward nor for backward; the others as usual
+    root, first = sharded._fullshard_state, sharded.layers[0]._fullshard_state
+    assert traffic_bytes()["all_gather"] == gathered_bytes(root) + 2 * gathered_bytes(first), traffic_bytes()
     layer.unshard()
     assert tuple(layer.fc1.weight.shape) == (16, 8)
     layer.reshard()

@@ -18,6 +18,7 @@ import mindspore as ms
 from mindspore import Parameter, Tensor, nn, ops
 
 from fullshard.mindspore import buffers
+from fullshard.mindspore.autograd import no_grad
 from fullshard.mindspore.buffers import Owned
 from fullshard.plan import ShardLayout
 
@@ -59,12 +60,12 @@ class ShardedParam:
         # Gradients summed across backward passes without sync, full shape, in the reduce dtype (owned).
         self.grad_accumulator: Optional[Owned] = None
         self._original = param
-        with ms._no_grad():
+        with no_grad():
             local = self.local_chunk(param).copy()  # storage of its own: the full tensor can go
         self.sharded = Parameter(local, name=param.name, requires_grad=param.requires_grad)
         setattr(self.sharded, SHARDED_ATTR, self)
         self.main_grad: Optional[Owned] = None
-        self._main_grad = main_grad
+        self._main_grad = main_grad and self.requires_grad
 
     def install(self) -> None:
         """Put the shard in place of the original in every owner cell (the only step that changes them)."""
