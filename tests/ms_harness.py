@@ -63,14 +63,27 @@ def run_ms_suite(target: str, world_size: int, timeout: float = 600, env: dict |
                 proc.wait()
                 raise TimeoutError(
                     f"suite {target} on {world_size} msrun workers did not finish in {timeout}s\n"
-                    f"{_logs(log_dir, world_size)}"
+                    f"{_failures(Path(out), world_size)}{_logs(log_dir, world_size)}"
                 ) from None
         if code:
             launcher = (Path(out) / "msrun.txt").read_text(errors="replace")[-2000:]
             raise RuntimeError(
-                f"suite {target}: msrun exited with {code}\n{_logs(log_dir, world_size)}\n--- msrun ---\n{launcher}"
+                f"suite {target}: msrun exited with {code}\n{_failures(Path(out), world_size)}"
+                f"{_logs(log_dir, world_size)}\n--- msrun ---\n{launcher}"
             )
         return read_results(out, world_size)
+
+
+def _failures(out: Path, world_size: int) -> str:
+    """The tracebacks of scenarios that failed before the launch did (each rank writes as it goes)."""
+    found = []
+    for rank in range(world_size):
+        path = out / f"rank{rank}.json"
+        if path.exists():
+            for name, result in json.loads(path.read_text()).items():
+                if not result["ok"]:
+                    found.append(f"--- rank {rank}, scenario {name} ---\n{result['error'][-3000:]}")
+    return "\n".join(found) + "\n" if found else ""
 
 
 def _barrier() -> None:

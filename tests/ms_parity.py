@@ -111,6 +111,14 @@ def assert_close(got: np.ndarray, want: np.ndarray, what: str, atol: float = FP3
     return err
 
 
+def gathered_bytes(state) -> int:
+    """Bytes one gather of a unit carries (every rank's padded chunks), from its plan."""
+    from fullshard.mindspore.policies import dtype_bytes
+
+    return sum(b.total_numel * dtype_bytes(g.plan.members(i)[0].compute_dtype)
+               for g in state.groups for i, b in enumerate(g.plan.buckets))
+
+
 @dataclass
 class Parity:
     """What a parity run measured (returned by scenarios as data)."""
@@ -162,8 +170,9 @@ def run_parity(
     wrap(sharded)
     ref_params = reference.trainable_params()
     params = sharded.trainable_params()
-    ref_opt = nn.Adam(ref_params, learning_rate=lr)
-    opt = nn.Adam(params, learning_rate=lr)
+    if optimize:
+        ref_opt = nn.Adam(ref_params, learning_rate=lr)
+        opt = nn.Adam(params, learning_rate=lr)
     result = Parity()
     for step in range(steps):
         ids, labels = data(step, batch)

@@ -101,6 +101,29 @@ def containers_and_policies():
     ]
 
 
+def dtype_cannot_travel():
+    """mccl sums only fp16/fp32: a float64 parameter is refused at fully_shard, not in a bprop."""
+    net = init_numpy(TinyLM())
+    net.norm.gamma.set_dtype(ms.float64)
+    return _refused_untouched(net, lambda: fs.fully_shard(net), ValueError, "'norm.gamma'", "cannot sum float64",
+                              "reduce_dtype")
+
+
+def ranks_disagree():
+    """Ranks that wrapped different models fail at the first forward, naming the parameter, instead of
+    exchanging mismatched buffers later."""
+    from mindspore import Tensor
+    import numpy as np
+    from tests.ms_parity import rank
+
+    net = init_numpy(TinyLM())
+    odd = rank() == 1
+    fs.fully_shard(net, shard_placement_fn=lambda p: fs.Shard(1) if odd and p.name == "head.weight" else None)
+    message = _refused(lambda: net(Tensor(np.zeros((1, 5), np.int32))), RuntimeError, "wrapped different models")
+    assert "head.weight" in message, message
+    return message
+
+
 def graph_mode():
     """GRAPH_MODE: fully_shard refuses, and a cell sharded in PyNative refuses to run (not a compile error)."""
     net, sharded = init_numpy(TinyLM()), init_numpy(TinyLM())
@@ -127,5 +150,7 @@ def suite():
         "error_fully_shard_twice": fully_shard_twice,
         "error_tied_across_units": parent_after_tied_child,
         "error_containers_and_policies": containers_and_policies,
+        "error_dtype_cannot_travel": dtype_cannot_travel,
+        "error_ranks_disagree": ranks_disagree,
         "error_graph_mode": graph_mode,  # last: it switches the mode
     }

@@ -7,7 +7,6 @@ all-reduce over the shard group, then across the replicas.
 from __future__ import annotations
 
 import mindspore as ms
-from mindspore import Tensor, nn
 
 import fullshard.mindspore as fs
 from fullshard.core.traffic import reset_traffic, traffic_bytes

@@ -25,7 +25,18 @@ from fullshard.mindspore.policies import dtype_bytes
 from fullshard.plan import Unsharded
 from fullshard.plan.backends import carried_traffic
 from fullshard.plan.strategy import Strategy, bytes_sent_per_rank, per_rank_theory
-from tests.ms_parity import TinyLM, assert_close, init_numpy, lm_batch, lm_loss, local_rows, shard_of, world, wrap_layers
+from tests.ms_parity import (
+    TinyLM,
+    assert_close,
+    gathered_bytes,
+    init_numpy,
+    lm_batch,
+    lm_loss,
+    local_rows,
+    shard_of,
+    world,
+    wrap_layers,
+)
 from tests.ms_suite_parity import ConcatLM, TiedTwice
 
 
@@ -194,12 +205,6 @@ def _unsharded_bytes(state) -> int:
     return total
 
 
-def _gathered_bytes(state) -> int:
-    """Bytes a unit's all-gathers carry (padded chunks of every rank)."""
-    return sum(b.total_numel * dtype_bytes(g.plan.members(i)[0].compute_dtype)
-               for g in state.groups for i, b in enumerate(g.plan.buckets))
-
-
 def byte_meter_zero3():
     """ZeRO-3 frees each unit's unsharded parameters after forward and gathers them again for its
     backward, one unit at a time: bytes held after forward, at each unit's backward, between steps."""
@@ -233,7 +238,7 @@ def byte_meter_zero3():
     assert kept["after_forward"] == root_bytes + 2 * layer_bytes, kept
     assert zero3["peak"] < kept["peak"]
     # the root gathered once, each layer twice (forward, backward); without resharding once
-    root_wire, layer_wire = _gathered_bytes(root), _gathered_bytes(units[0])
+    root_wire, layer_wire = gathered_bytes(root), gathered_bytes(units[0])
     assert zero3["gathered"] == root_wire + 4 * layer_wire and kept["gathered"] == root_wire + 2 * layer_wire
     num_params = sum(p.layout.numel for s in [root, *units] for g in s.groups for p in g.params)
     theory = per_rank_theory(Strategy.OPTIM_GRADS_PARAMS, world(), num_params,
@@ -242,6 +247,55 @@ def byte_meter_zero3():
     report = fs.memory_report(net)
     return {"measured": figures, "root_unsharded": root_bytes, "layer_unsharded": layer_bytes,
             "formula": theory["memory"], "report_theory": report["theory"]["memory"]}
+
+
+class SkipsLayer1(TinyLM):
+    def construct(self, ids):
+        return self.head(self.norm(self.layers[0](self.emb(ids))))
+
+
+def prefetched_but_not_run():
+    """A unit prefetched by its neighbour whose forward then never runs is freed at the root's post-forward,
+    not held until the next step."""
+    base, _ = _baseline()
+    net = init_numpy(SkipsLayer1())
+    wrap_layers(net)
+    net.layers[0].set_modules_to_forward_prefetch([net.layers[1]])
+    samples = {}
+    net.register_forward_hook(lambda cell, args, out: samples.__setitem__("after_forward", fs.comm_bytes()["live"] - base))
+    _step(net)
+    root = _unsharded_bytes(net._fullshard_state)
+    assert samples["after_forward"] == root, (samples, root)
+    assert fs.comm_bytes()["live"] == base
+    return samples
+
+
+def strategy_memory():
+    """What each strategy holds per rank, measured, next to the ZeRO formulas (fp32 Adam, 2 ranks, no padding):
+    shards, Adam's moments, the gradients value_and_grad returns, and the unsharded copies kept between steps."""
+    table = {}
+    for name in ("no_shard", "optim", "optim_grads", "optim_grads_params"):
+        base, _ = _baseline()
+        net = init_numpy(TinyLM(vocab=8))
+        wrap_layers(net, strategy=name)
+        opt = nn.Adam(net.trainable_params(), 1e-2)
+        for step in range(2):
+            ids, labels = lm_batch(step, 4, vocab=8)
+            _, grads = ms.value_and_grad(lambda: lm_loss(net, local_rows(ids), local_rows(labels)), None,
+                                         net.trainable_params())()
+            opt(grads)
+        report = fs.memory_report(net, opt)
+        measured = {
+            "params": report["measured"]["params"], "grads": sum(g.nbytes for g in grads),
+            "optim": report["measured"]["optim"], "kept_unsharded": fs.comm_bytes()["live"] - base,
+        }
+        theory = report["theory"]["memory"]
+        for key in ("params", "grads", "optim"):
+            assert measured[key] == theory[key], (name, key, measured, theory)
+        kept = theory["unsharded"] if name in ("optim", "optim_grads") else 0  # ZeRO-1/2 keep the whole model
+        assert measured["kept_unsharded"] == kept, (name, measured, theory)
+        table[name] = {"measured": measured, "formula": theory}
+    return table
 
 
 def zero_copy_count():
@@ -306,6 +360,8 @@ def suite():
         "tied_ownership": tied_weights,
         "padding_path_no_leak": padding_path_no_leak,
         "byte_meter_zero3": byte_meter_zero3,
+        "prefetched_but_not_run": prefetched_but_not_run,
+        "strategy_memory": strategy_memory,
         "zero_copy_count": zero_copy_count,
         "traffic_vs_theory": traffic_vs_theory,
     }

@@ -16,11 +16,11 @@ from fullshard.mindspore import collectives
 from tests.ms_parity import (
     TinyLM,
     assert_close,
+    gathered_bytes,
     init_numpy,
     lm_batch,
     lm_loss,
     local_rows,
-    mean_over_ranks,
     run_parity,
     shard_of,
     world,
@@ -279,10 +279,6 @@ def clip_grad_norm():
     return {"norms": norms}
 
 
-def _gathers(net):
-    return traffic_bytes()["all_gather"]
-
-
 def unshard_reshard():
     """unshard(): the attributes show full tensors and forward runs on them without gathering; reshard()
     frees them and shows the shards."""
@@ -301,7 +297,9 @@ def unshard_reshard():
     _, ref_grads = ms.value_and_grad(lambda: lm_loss(reference, ids, labels), None, ref_params)()
     for param, grad, ref in zip(params, grads, ref_grads):
         assert_close(grad.asnumpy(), shard_of(ref.asnumpy(), param), f"gradient of {param.name}")
-    # the unsharded layer was not gathered again in forward; backward freed it (ZeRO-3) unless kept
+    # the unsharded layer was gathered neither in forward nor for backward; the others as usual
+    root, first = sharded._fullshard_state, sharded.layers[0]._fullshard_state
+    assert traffic_bytes()["all_gather"] == gathered_bytes(root) + 2 * gathered_bytes(first), traffic_bytes()
     layer.unshard()
     assert tuple(layer.fc1.weight.shape) == (16, 8)
     layer.reshard()
@@ -425,6 +423,47 @@ def bf16_travels_as_fp16_bits():
     return {**result.as_dict(), "traffic": traffic_bytes()}
 
 
+class Reused(TinyLM):
+    """One block applied twice in a forward: its unit is gathered and reduced once per use."""
+
+    def construct(self, ids):
+        x = self.emb(ids)
+        x = self.layers[0](self.layers[0](x))
+        return self.head(self.norm(self.layers[1](x)))
+
+
+def unit_used_twice():
+    return run_parity(Reused).as_dict()
+
+
+class Narrow(nn.Cell):
+    """A (1, 8) matrix on 2 ranks: rank 1's shard is empty."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(7, 8)
+        self.score = nn.Dense(8, 1)
+        self.out = nn.Dense(1, 7)
+
+    def construct(self, ids):
+        return self.out(ops.tanh(self.score(self.emb(ids))))
+
+
+def empty_shard():
+    """torch.chunk semantics: the last rank may hold nothing. fully_shard says what that means for
+    MindSpore's optimizers; the gradients (empty on that rank) are still right."""
+    import warnings
+
+    def wrap(net):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            fs.fully_shard(net)
+        texts = [str(w.message) for w in caught]
+        assert any("'score.weight'" in t and "rank(s) [1] hold none" in t for t in texts), texts
+        assert net.score.weight.shape == ((1, 8) if fs_rank() == 0 else (0, 8))
+    return run_parity(Narrow, wrap, steps=1, optimize=False).as_dict()
+
+
 def suite():
     return {
         "zero3_default": zero3_default,
@@ -447,4 +486,6 @@ def suite():
         "replicate_params": replicate_params,
         "ignored_params": ignored_params,
         "bf16_travels_as_fp16_bits": bf16_travels_as_fp16_bits,
+        "unit_used_twice": unit_used_twice,
+        "empty_shard": empty_shard,
     }

@@ -9,7 +9,7 @@ from __future__ import annotations
 import mindspore as ms
 
 import fullshard.mindspore as fs
-from fullshard.mindspore import buffers, collectives, grads
+from fullshard.mindspore import buffers, grads
 from fullshard.plan import Ownership, ReducePlan
 from tests.ms_parity import TinyLM, assert_close, init_numpy, lm_batch, lm_loss, local_rows, shard_of, wrap_layers
 

@@ -43,9 +43,12 @@ def memory_report(cell: nn.Cell, optimizer: Optional[nn.Optimizer] = None) -> di
     managed = [p for g in groups for p in g.params]
     params = list(cell.get_parameters())
     own = {id(p) for p in params}
+    names = {p.name for p in params}
+    # State per parameter: the optimizer's clones of each parameter (MindSpore names them
+    # "<state>.<parameter name>", e.g. moment1.layers.0.fc1.weight); step counters and beta powers are not.
     optim_state = [
         p for p in (optimizer.get_parameters() if optimizer is not None else ())
-        if id(p) not in own and p.ndim > 0  # scalar step counters and beta powers are not state per parameter
+        if id(p) not in own and p.name.partition(".")[2] in names
     ]
     meter = comm_bytes()
     measured = {

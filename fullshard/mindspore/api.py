@@ -2,6 +2,7 @@
 anything, then turns each cell into an ``FSDPModule`` (``module.py``)."""
 from __future__ import annotations
 
+import warnings
 from typing import Any, Callable, Iterable, Optional, Union
 
 from mindspore import Parameter, nn
@@ -185,20 +186,29 @@ def fully_shard(
                 )
         layout = ShardLayout(tuple(param.shape), dim, 1 if replicated else world)
         plans.append((param, [(c, attr) for c, attr, _ in owners[key]], path, layout, replicated))
+        empty = [r for r in range(layout.world) if layout.local_length(r) == 0]
+        if empty:
+            warnings.warn(
+                f"fully_shard({name}): parameter '{path}' has {layout.dim_size} rows on dim {layout.dim} for "
+                f"{layout.world} ranks, so rank(s) {empty} hold none of it; MindSpore's optimizers cannot create "
+                "state for an empty Parameter (nn.Adam raises). Shard it on another dim (shard_placement_fn) or "
+                "pass it in replicate_params", UserWarning, stacklevel=2,
+            )
 
-    # Everything is validated: from here on the cells are changed.
+    # Everything is validated. Shards and plans are made first (nothing the cells see), then installed.
     shard_comm = Comm(mesh.get_group(shard_dim), world, rank)
     replica_comm = Comm(mesh.get_group(0), mesh.size(0), mesh.get_local_rank(0)) if mesh.ndim == 2 else None
     if replica_comm is not None and replica_comm.size == 1:
         replica_comm = None
     flags = lifecycle(strategy, is_root=False, reshard_after_forward=reshard_after_forward, defers_reduction=False)
     fuse = DEFAULT_FUSE_BELOW_NUMEL if comm_fusion else 0
+    sharded = [
+        ShardedParam(param, holders, path, layout, rank, mp.param_dtype, mp.apply_grad_on_fp32_main_grad, replicated)
+        for param, holders, path, layout, replicated in plans
+    ]
     groups = []
     for replicated in (False, True):
-        members = [
-            ShardedParam(param, holders, path, layout, rank, mp.param_dtype, mp.apply_grad_on_fp32_main_grad, replicated)
-            for param, holders, path, layout, rep in plans if rep is replicated
-        ]
+        members = [p for p in sharded if p.replicated is replicated]
         if not members:
             continue
         if replicated:  # nothing to gather; gradients are all-reduced
@@ -209,6 +219,9 @@ def fully_shard(
             members, shard_comm, replica_comm, mp.reduce_dtype, name, collectives, mesh.backend, fuse,
             replicated=replicated, reshard_after_backward=flags.reshard_after_backward,
         ))
+    # From here on the cells are changed.
+    for param in sharded:
+        param.install()
     state = ShardState(cells, groups, mp, reshard_after_forward, strategy)
     for c in cells:
         object.__setattr__(c, STATE_ATTR, state)

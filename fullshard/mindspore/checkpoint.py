@@ -1,10 +1,9 @@
 """Full parameters out of a sharded cell (sharded checkpoints build on this)."""
 from __future__ import annotations
 
+import mindspore as ms
 import numpy as np
 from mindspore import Tensor, nn
-
-import mindspore as ms
 
 from fullshard.mindspore.autograd import no_grad
 from fullshard.mindspore.collectives import gather_full

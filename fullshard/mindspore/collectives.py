@@ -164,9 +164,12 @@ def pack_grads(bucket: BucketLayout, params: Sequence[ShardedParam], grads: Sequ
 def member_chunk(summed: Tensor, offset: int, bucket: BucketLayout, index: int, param: ShardedParam) -> Tensor:
     """This rank's local part of member ``index``, read out of the reduced buffer (a view)."""
     layout = param.layout
+    length = layout.local_length(param.rank)
+    if not length:  # this rank holds none of it (narrow refuses a length of 0)
+        return ops.zeros(layout.local_shape(param.rank), summed.dtype)
     start = offset + bucket.offsets[index]
     chunk = summed[start : start + layout.padded_chunk_numel].reshape(layout.padded_chunk_shape)
-    return chunk.narrow(layout.dim, 0, layout.local_length(param.rank))
+    return chunk.narrow(layout.dim, 0, length)
 
 
 def finish_grad(local: Tensor, plan: ReducePlan, divide_factor: float, stored_dtype: Any) -> tuple[Tensor, Tensor]:

@@ -34,6 +34,17 @@ class GroupPlan:
         kinds = tuple((p.stored_dtype, p.compute_dtype, p.requires_grad) for p in params)
         self.buckets = plan_buckets(self.layouts, fuse_below_numel, kinds)
         self.labels = [self._label(b.members) for b in self.buckets]
+        for index, bucket in enumerate(self.buckets):  # every dtype must travel: refused now, not in a bprop
+            param = params[bucket.members[0]]
+            try:
+                self.gather_carrier(index)
+                if param.requires_grad:
+                    self.wire_dtype(self.reduce_dtype(param))
+            except ValueError as error:
+                raise ValueError(
+                    f"fully_shard({module_name}): parameter '{param.fqn}' ({param.stored_dtype}, computing in "
+                    f"{param.compute_dtype}): {error}; or set MixedPrecisionPolicy(param_dtype=..., reduce_dtype=...)"
+                ) from None
         self.gather_plans: list[GatherPlan] = [
             plan_gather(b, self.layouts, cast_needed=params[b.members[0]].converts_for_compute,
                         exchange=collectives.gather, runtime=MINDSPORE_RUNTIME, bit_cast=self.gather_carrier(i)[1])

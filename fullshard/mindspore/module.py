@@ -62,13 +62,13 @@ class FSDPModule:
         for group in self._fullshard_state.groups:
             group.unsharder.reshard()
 
-    def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
+    def set_requires_gradient_sync(self, requires_gradient_sync: bool, recurse: bool = True) -> None:
         """False: sum gradients locally (owned accumulators), no communication; the gradients returned
         meanwhile are zeros. The next backward with True reduces the sum."""
         self._configure(recurse, "reducer", reduce_grads=bool(requires_gradient_sync),
                         all_reduce_grads=bool(requires_gradient_sync))
 
-    def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
+    def set_requires_all_reduce(self, requires_all_reduce: bool, recurse: bool = True) -> None:
         """HSDP: False keeps the reduced chunks as owned partial sums, without summing across replicas,
         until a backward with True (gradients returned meanwhile are zeros). No effect on a 1-D mesh."""
         self._configure(recurse, "reducer", all_reduce_grads=bool(requires_all_reduce))
@@ -79,7 +79,7 @@ class FSDPModule:
         for state in self._fullshard_states(recurse):
             state.reshard_after_forward = reshard_after_forward
 
-    def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
+    def set_reshard_after_backward(self, reshard_after_backward: bool, recurse: bool = True) -> None:
         self._configure(recurse, "group", reshard_after_backward=bool(reshard_after_backward))
 
     def set_modules_to_forward_prefetch(self, modules: list[Any]) -> None:

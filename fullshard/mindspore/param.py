@@ -18,6 +18,7 @@ import mindspore as ms
 from mindspore import Parameter, Tensor, nn, ops
 
 from fullshard.mindspore import buffers
+from fullshard.mindspore.autograd import no_grad
 from fullshard.mindspore.buffers import Owned
 from fullshard.plan import ShardLayout
 
@@ -58,17 +59,24 @@ class ShardedParam:
         self.compute_dtype = compute_dtype or param.dtype
         # Gradients summed across backward passes without sync, full shape, in the reduce dtype (owned).
         self.grad_accumulator: Optional[Owned] = None
-        with ms._no_grad():
-            local = param.narrow(layout.dim, layout.local_offset(self.rank), layout.local_length(self.rank)).copy()
+        self._original = param
+        with no_grad():
+            local = self.local_chunk(param).copy()  # storage of its own: the full tensor can go
         self.sharded = Parameter(local, name=param.name, requires_grad=param.requires_grad)
         setattr(self.sharded, SHARDED_ATTR, self)
-        setattr(self.sharded, MANAGED_ATTR, True)
-        setattr(param, MANAGED_ATTR, True)
         self.main_grad: Optional[Owned] = None
-        if main_grad:
-            self.main_grad = buffers.zeros(layout.local_shape(self.rank), ms.float32, f"main_grad of '{fqn}'")
+        self._main_grad = main_grad and self.requires_grad
+
+    def install(self) -> None:
+        """Put the shard in place of the original in every owner cell (the only step that changes them)."""
+        if self._main_grad:
+            shape = self.layout.local_shape(self.rank)
+            self.main_grad = buffers.zeros(shape, ms.float32, f"main_grad of '{self.fqn}'")
             self.sharded.main_grad = self.main_grad.tensor
-        for cell, attr in owners:
+        setattr(self.sharded, MANAGED_ATTR, True)
+        setattr(self._original, MANAGED_ATTR, True)
+        self._original = None
+        for cell, attr in self.owners:
             cell._params[attr] = self.sharded
 
     @property
@@ -88,9 +96,12 @@ class ShardedParam:
             cell.__dict__.pop(attr, None)
 
     def local_chunk(self, full: Tensor) -> Tensor:
-        """This rank's chunk of a full tensor of the parameter's shape (a view)."""
+        """This rank's chunk of a full tensor of the parameter's shape (a view; empty zeros when it holds none)."""
         layout = self.layout
-        return full.narrow(layout.dim, layout.local_offset(self.rank), layout.local_length(self.rank))
+        length = layout.local_length(self.rank)
+        if not length:  # narrow refuses to start at the end
+            return ops.zeros(layout.local_shape(self.rank), full.dtype)
+        return full.narrow(layout.dim, layout.local_offset(self.rank), length)
 
     # ------------------------------------------------------------------ gradients
     def accumulate_grad(self, grad: Tensor, dtype: Any) -> None:

@@ -170,9 +170,14 @@ class ShardState:
                 unsharder.hide()  # kept for backward; the cells show their shards between steps
 
     def finish_partial_forward(self) -> None:
-        """At the root's post-forward: a unit of several cells where not all ran still follows its policy."""
+        """At the root's post-forward: a unit of several cells where not all ran, or one prefetched but not
+        run, still follows its policy (an explicit unshard() is left for the next forward)."""
         if self._forward_done:
             self._release_after_forward()
+            return
+        for group in self.groups:
+            if group.unsharder.gathered_but_unused():
+                group.unsharder.reshard() if self.reshard_after_forward else group.unsharder.mark_stale()
 
     # ------------------------------------------------------------------ backward
     def _pre_backward(self, cell: nn.Cell, grad_output: Any) -> None:

@@ -112,6 +112,11 @@ class Unsharder:
             raise RuntimeError(f"internal error: {self.plan.labels[index]} is not gathered")
         return gathered.tensors
 
+    def gathered_but_unused(self) -> bool:
+        """Gathered (a prefetch) but used by no forward since, and not asked for with unshard()."""
+        return (self.state is GroupState.UNSHARDED and not self.requested
+                and not any(g is not None and g in self.saved for g in self.current))
+
     def save_for_backward(self) -> None:
         """A recorded forward used the current gathers: keep them until its backward is done."""
         for gathered in self.current:
