@@ -247,6 +247,67 @@ def all_gather_extensions_on_a_local_tensor():
     return losses
 
 
+def all_gather_extensions_on_a_subclass():
+    """A parameter of a tensor subclass whose class defines the extensions (torch's TwoTensor, two inner
+    tensors gathered separately) trains like the unsharded subclass model."""
+    from torch.testing._internal.two_tensor import TwoTensor
+
+    def pre(self, mesh):
+        return (self.a, self.b), None
+
+    def post(self, outputs, metadata, param_dtype, *, out=None):
+        a, b = outputs
+        if out is not None:
+            if a.dtype != param_dtype:
+                out.a.copy_(a)
+                out.b.copy_(b)
+            return None
+        return TwoTensor(a, b).to(param_dtype), (a, b)
+
+    def build():
+        model = Stack()
+        for layer in model.layers:
+            layer.weight = nn.Parameter(TwoTensor(layer.weight.detach(), layer.weight.detach().clone()))
+            # no bias: the reference's would get a TwoTensor gradient through the TwoTensor output (as
+            # PyTorch's own test notes), which no plain parameter can match
+            layer.register_parameter("bias", None)
+        return model
+
+    from torch.distributed.tensor import distribute_tensor
+
+    TwoTensor.fsdp_pre_all_gather, TwoTensor.fsdp_post_all_gather = pre, post
+    try:
+        torch.manual_seed(0)
+        reference = build()
+        model = copy.deepcopy(reference)
+        for layer in model.layers:
+            fully_shard(layer, mesh=mesh_1d())
+        fully_shard(model, mesh=mesh_1d())
+        # As PyTorch's own test does: every rank its own input; the reference averages gradients itself
+        # (a TwoTensor loss cannot go through run_parity's all-reduce of losses).
+        torch.manual_seed(42 + torch.distributed.get_rank())
+        x = torch.randn(2, 8)
+        losses = []
+        for _ in range(3):
+            ref_loss, loss = reference(x).sum(), model(x).sum()
+            torch.testing.assert_close(loss, ref_loss)
+            ref_loss.backward()
+            loss.backward()
+            with torch.no_grad():
+                for ref_param, param in zip(reference.parameters(), model.parameters()):
+                    torch.distributed.all_reduce(ref_param.grad)
+                    ref_param.grad.div_(torch.distributed.get_world_size())
+                    expected = distribute_tensor(ref_param.grad, param.device_mesh, param.placements).to_local()
+                    torch.testing.assert_close(param.grad.to_local(), expected)
+                    ref_param -= 0.1 * ref_param.grad
+                    param -= 0.1 * param.grad
+                    ref_param.grad = param.grad = None
+            losses.append(float(loss))
+        return losses
+    finally:
+        del TwoTensor.fsdp_pre_all_gather, TwoTensor.fsdp_post_all_gather
+
+
 def extensions_must_pad_uneven_shards():
     model = nn.Linear(8, 3)  # 3 rows on 2 ranks: padded chunks of 2
     fully_shard(model, mesh=mesh_1d())
@@ -331,6 +392,38 @@ def freezing_after_fully_shard_is_followed():
     return True
 
 
+def kept_gathered_after_synced_backward():
+    """set_reshard_after_backward(False) keeps a unit gathered for the next micro-batch even when that
+    backward reduced (FSDP2's meaning): one gather per step; the optimizer's step is still seen."""
+    from fullshard.core.traffic import traffic
+
+    mesh = mesh_1d()
+    torch.manual_seed(0)
+    reference = Stack()
+    model = copy.deepcopy(reference)
+    for layer in model.layers:
+        fully_shard(layer, mesh=mesh, reshard_after_forward=False)
+    fully_shard(model, mesh=mesh, reshard_after_forward=False)
+    opt, ref_opt = torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.SGD(reference.parameters(), lr=0.1)
+    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    gathers = []
+    for step in range(2):
+        before = traffic["all_gather"]
+        for micro in range(3):
+            model.set_reshard_after_backward(micro == 2)
+            x, y = _stack_batch(10 * step + micro, 4)
+            _mse(model, (x.chunk(world)[rank], y.chunk(world)[rank])).div(3).backward()  # reduced every time
+            _mse(reference, (x, y)).div(3).backward()
+        gathers.append(traffic["all_gather"] - before)
+        opt.step(), ref_opt.step()
+        opt.zero_grad(), ref_opt.zero_grad()
+    one_gather = sum(p.numel() * 4 for p in reference.parameters())
+    assert gathers == [one_gather, one_gather], (gathers, one_gather)
+    for p, r in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(p.full_tensor(), r)
+    return gathers
+
+
 def suite():
     return {
         "registration_follows_fsdp2": registration_follows_fsdp2,
@@ -339,6 +432,8 @@ def suite():
         "custom_collectives_carry_the_bytes": custom_collectives_carry_the_bytes,
         "all_gather_extensions_on_a_local_tensor": all_gather_extensions_on_a_local_tensor,
         "extensions_must_pad_uneven_shards": extensions_must_pad_uneven_shards,
+        "all_gather_extensions_on_a_subclass": all_gather_extensions_on_a_subclass,
         "replicate_over_fully_shard_units": replicate_over_fully_shard_units,
         "freezing_after_fully_shard_is_followed": freezing_after_fully_shard_is_followed,
+        "kept_gathered_after_synced_backward": kept_gathered_after_synced_backward,
     }

@@ -46,6 +46,19 @@ class Strategy(enum.Enum):
             raise ValueError(f"unknown strategy {name!r}; choose one of {names}") from None
 
 
+class AfterBackward(enum.Enum):
+    """What a unit does with its gathered parameters once its backward is done."""
+
+    RESHARD = "reshard"  # free them (ZeRO-3)
+    # Keep the storage but show the shards, and gather into it again before the next use: after a
+    # synced backward the optimizer steps (ZeRO-1/2; without sync they stay gathered, accumulating).
+    KEEP_STORAGE = "keep storage"
+    # Keep them gathered for the next forward, synced or not (FSDP2's set_reshard_after_backward(False),
+    # for accumulation): the caller promises no write below autograd before then; a write through it
+    # (an optimizer step) still moves a version counter and gathers again.
+    KEEP_GATHERED = "keep gathered"
+
+
 @dataclass(frozen=True)
 class Lifecycle:
     reshard_after_forward: bool

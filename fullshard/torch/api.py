@@ -11,7 +11,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
 
 from fullshard.plan import ShardLayout
-from fullshard.plan.strategy import Strategy, lifecycle
+from fullshard.plan.strategy import AfterBackward, Strategy, lifecycle
 from fullshard.torch.policies import (
     CPUOffloadPolicy,
     MixedPrecisionPolicy,
@@ -70,7 +70,9 @@ def _post_forward_group(mesh: DeviceMesh, shard_dim: int, size: int) -> dist.Pro
     root = mesh._get_root_mesh()
     index = shard_dim if root is mesh else root.mesh_dim_names.index(mesh.mesh_dim_names[shard_dim])
     blocks = root.mesh.movedim(index, -1).reshape(-1, size)
-    key = (mesh.device_type, tuple(blocks.flatten().tolist()), size)
+    # per process group world: ranks that are threads of one process (torch's threaded test group) each
+    # have their own, and a mesh's groups resolve only in the world that made them
+    key = (id(dist.distributed_c10d._get_default_group()), mesh.device_type, tuple(blocks.flatten().tolist()), size)
     if key not in _POST_FORWARD_MESHES:
         _POST_FORWARD_MESHES[key] = DeviceMesh(mesh.device_type, blocks)
     return _POST_FORWARD_MESHES[key].get_group(1)
@@ -185,9 +187,9 @@ def fully_shard(
     post_forward_size = None
     if isinstance(reshard_after_forward, int) and not isinstance(reshard_after_forward, bool):
         if dp.spmd:
-            raise ValueError(
-                f"fully_shard({name}): reshard_after_forward={reshard_after_forward} (an int) is not supported "
-                "with dp_mesh_dims; use True or False"
+            raise NotImplementedError(
+                f"reshard_after_forward as int ({reshard_after_forward}) is not supported with dp_mesh_dims: "
+                f"fully_shard({name}) reshards fully or not at all on an SPMD mesh; use True or False"
             )
         size = reshard_after_forward
         if size < 1 or world % size:
@@ -268,7 +270,8 @@ def fully_shard(
         group = ParamGroup(
             sharded, dp.shard_group, mp.reduce_dtype, name,
             replicate_group=dp.replicate_group, shard_mesh=dp.shard_mesh, mp_policy=mp,
-            all_reduce=flags.all_reduce, reshard_after_backward=flags.reshard_after_backward,
+            all_reduce=flags.all_reduce,
+            after_backward=AfterBackward.RESHARD if flags.reshard_after_backward else AfterBackward.KEEP_STORAGE,
         )
         if post_forward_size is not None:
             group.unsharder.post_forward_group = _post_forward_group(mesh, dp.shard_dim, post_forward_size)

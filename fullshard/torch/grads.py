@@ -18,7 +18,7 @@ from fullshard.torch import checks
 from fullshard.torch.buffers import Owned
 from fullshard.torch.collectives import PendingReduce, all_reduce_in_place, reduce_bucket
 from fullshard.torch.group_plan import GroupPlan
-from fullshard.torch.param import ShardedParam
+from fullshard.torch.param import ShardedParam, is_plain
 
 
 class GradReducer:
@@ -106,7 +106,8 @@ class GradReducer:
                 bucket,
                 plan.layouts,
                 grad_dtype_is_wire_dtype=all(g.dtype == wire for g in present),
-                grads_contiguous=all(g.is_contiguous() for g in present),
+                # only a plain, contiguous gradient is a collective's buffer as it is (a subclass is packed)
+                grads_contiguous=all(is_plain(g) and g.is_contiguous() for g in present),
                 reduce_dtype_is_param_dtype=reduce_dtype == members[0].stored_dtype,
                 all_reduce=self.all_reduce,
                 offloaded=members[0].offloaded,

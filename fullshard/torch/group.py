@@ -16,6 +16,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
+from fullshard.plan.strategy import AfterBackward
 from fullshard.torch.grads import GradReducer
 from fullshard.torch.group_plan import GroupPlan
 from fullshard.torch.param import ShardedParam
@@ -30,7 +31,7 @@ class ParamGroup:
         reduce_dtype: Optional[torch.dtype],
         module_name: str,
         all_reduce: bool = False,
-        reshard_after_backward: bool = True,
+        after_backward: AfterBackward = AfterBackward.RESHARD,
         replicate_group: Optional[dist.ProcessGroup] = None,
         fuse_below_numel: Optional[int] = None,
         shard_mesh: Any = None,
@@ -39,7 +40,7 @@ class ParamGroup:
         self.params = params
         self.process_group = process_group
         self.world = dist.get_world_size(process_group)
-        self.reshard_after_backward = reshard_after_backward
+        self.after_backward = after_backward
         # FSDPModule.set_unshard_in_backward(False): no backward op reads these parameters.
         self.unshard_in_backward = True
         self._reduce_dtype = reduce_dtype

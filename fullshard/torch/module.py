@@ -12,6 +12,7 @@ from torch.distributed import fsdp as torch_fsdp
 # torch's own classes, taken once at import (see policies.py for why not at call time).
 _TORCH_FSDP_MODULE = torch_fsdp.FSDPModule
 
+from fullshard.plan.strategy import AfterBackward
 from fullshard.torch.errors import DeepcopyError
 from fullshard.torch.state import ShardState
 
@@ -69,7 +70,7 @@ class FSDPModule(torch_fsdp.FSDPModule):
         state = self._fullshard_state
         if state.group is not None:
             state.group.unsharder.unshard()
-            state.group.unsharder.requested = True  # kept for the next forward, even across steps
+            state.group.unsharder.keep_for_next_forward = True  # kept for the next forward, even across steps
         handle = UnshardHandle(state)
         if async_op:
             return handle
@@ -119,7 +120,9 @@ class FSDPModule(torch_fsdp.FSDPModule):
         self._configure(recurse, "unsharder", post_forward_group=None)
 
     def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
-        self._configure(recurse, "group", reshard_after_backward=reshard_after_backward)
+        # False keeps them gathered for the next forward even after a synced backward, as in FSDP2
+        after = AfterBackward.RESHARD if reshard_after_backward else AfterBackward.KEEP_GATHERED
+        self._configure(recurse, "group", after_backward=after)
 
     def set_is_last_backward(self, is_last_backward: bool) -> None:
         """Accepted for FSDP2 compatibility; nothing to do: every backward already waits for its

@@ -30,6 +30,11 @@ def contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(reversed(stride))
 
 
+def is_plain(tensor: torch.Tensor) -> bool:
+    """A plain tensor, as collectives carry it (not a tensor subclass such as one with all-gather extensions)."""
+    return type(tensor) in (torch.Tensor, nn.Parameter)
+
+
 class ShardedParam:
     """State of one managed parameter (possibly registered under several names: tied weights)."""
 
@@ -189,8 +194,10 @@ class ShardedParam:
 
     @property
     def converts_for_compute(self) -> bool:
-        """The shard must be cast or moved before it can be gathered for compute."""
-        return self.compute_dtype != self.stored_dtype or self.storage_device != self.device
+        """The shard must be cast, moved or unwrapped (a tensor subclass, which collectives cannot carry
+        as it is) before it can be gathered for compute."""
+        return (self.compute_dtype != self.stored_dtype or self.storage_device != self.device
+                or not is_plain(self.sharded._local_tensor))
 
     def local_shard(self) -> torch.Tensor:
         return self.sharded.to_local()

@@ -16,6 +16,7 @@ from torch.autograd import Variable
 from torch.profiler import record_function
 
 from fullshard.core.phases import TrainingPhase
+from fullshard.plan.strategy import AfterBackward
 from fullshard.torch import checks
 from fullshard.torch.collectives import PendingReduce
 from fullshard.torch.errors import NotMaterializedError
@@ -58,6 +59,7 @@ class RootContext:
             if group is None:
                 continue
             group.refresh_sharded()  # cheap identity checks
+            self.check_materialized(group)
             # Copies stay only while no optimizer step can have come since their gather: gradients
             # accumulating without sync, or forwards whose backward is still to come.
             group.unsharder.begin_step(keep=group.reducer.has_pending_grads() or state.forwards_with_grad > 0)
@@ -127,8 +129,10 @@ class RootContext:
             if group is None:
                 continue
             with record_function(state.label("reshard")):
-                if group.reshard_after_backward:
+                if group.after_backward is AfterBackward.RESHARD:
                     group.unsharder.reshard()
+                elif group.after_backward is AfterBackward.KEEP_GATHERED:
+                    group.unsharder.keep_for_next_forward = True  # whatever the next forward's setting
                 elif group.reducer.reduce_grads:
                     # reduced: the optimizer will change the shards, and the sharded gradients are
                     # what it reads: show the shards; the storage stays for the next gather (ZeRO-1/2)
@@ -153,16 +157,16 @@ class RootContext:
                 state.group.unsharder.abandon()
 
     # ------------------------------------------------------------------ agreement
-    def check_materialized(self) -> None:
-        """Parameters still on the meta device would be trained as garbage: name them (FSDP2's words)."""
-        for group in self.groups:
-            meta = [p.fqn for p in group.params if p.sharded.device.type == "meta"]
-            if meta:
-                raise NotMaterializedError(
-                    "FSDP parameters should be materialized from meta device before training, but the following "
-                    f"were still on meta device: {meta}; call model.to_empty(device=...) and initialize them "
-                    "(e.g. fullshard.torch.materialize.materialize(model)) before the first forward"
-                )
+    def check_materialized(self, group) -> None:
+        """Parameters still on the meta device would be trained as garbage: name them (FSDP2's words).
+        Checked after re-adopting replaced parameters (``load_state_dict(assign=True)`` materializes)."""
+        meta = [p.fqn for p in group.params if p.sharded.device.type == "meta"]
+        if meta:
+            raise NotMaterializedError(
+                "FSDP parameters should be materialized from meta device before training, but the following "
+                f"were still on meta device: {meta}; call model.to_empty(device=...) and initialize them "
+                "(e.g. fullshard.torch.materialize.materialize(model)) before the first forward"
+            )
 
     def check_ranks_agree(self) -> None:
         """Fail at the first step, not hang later, if ranks wrapped different models."""

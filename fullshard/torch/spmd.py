@@ -36,6 +36,10 @@ class DataParallelMeshDims:
     shard: Optional[str | tuple[str, ...]] = None
     replicate: Optional[str | tuple[str, ...]] = None
 
+    def __post_init__(self) -> None:
+        if self.shard is None and self.replicate is None:
+            raise ValueError("At least one of shard or replicate must be set in DataParallelMeshDims")
+
     @property
     def shard_names(self) -> tuple[str, ...]:
         return _names(self.shard)
@@ -116,7 +120,10 @@ def data_parallel_mesh(mesh: DeviceMesh, dp_mesh_dims, name: str) -> DataParalle
         )
     unknown = [n for n in shard + replicate if n not in names]
     if unknown:
-        raise ValueError(f"fully_shard({name}): dp_mesh_dims names {unknown}, not dims of the mesh {names}")
+        raise ValueError(
+            f"dp_mesh_dims names {unknown}, not found in mesh.mesh_dim_names {names}: fully_shard({name}) needs "
+            "the names of the data-parallel dims of the mesh it is given"
+        )
     if len(shard) > 1 or len(replicate) > 1:
         raise NotImplementedError(
             f"fully_shard({name}): dp_mesh_dims with several shard or replicate dims ({shard}, {replicate}); "
@@ -161,8 +168,8 @@ def sharded_spec(param: torch.Tensor, fqn: str, name: str, dp: DataParallelMesh,
     if not isinstance(param, DTensor):
         if dp.spmd:
             raise ValueError(
-                f"fully_shard({name}): with dp_mesh_dims every parameter must be a DTensor on the SPMD mesh, "
-                f"but '{fqn}' is a plain tensor; distribute it first (distribute_module / distribute_tensor)"
+                f"When dp_mesh_dims is provided, all parameters must be DTensors on the SPMD mesh: fully_shard({name}) "
+                f"got a plain tensor for '{fqn}'; distribute it first (distribute_module / distribute_tensor)"
             )
         placements = tuple(
             Replicate() if index != dp.shard_dim or replicated else Shard(dim) for index in range(dp.mesh.ndim)
@@ -198,18 +205,20 @@ def sharded_spec(param: torch.Tensor, fqn: str, name: str, dp: DataParallelMesh,
 def _on_spmd_mesh(param: DTensor, fqn: str, name: str, dp: DataParallelMesh, dim: int,
                   replicated: bool) -> ShardedSpec:
     own = param._spec
-    if own.mesh != dp.mesh:
+    if own.mesh is not dp.mesh:  # FSDP2 asks for the very mesh object: the dims' groups are its
         raise ValueError(
-            f"fully_shard({name}): parameter '{fqn}' is a DTensor on {own.mesh}, but dp_mesh_dims refers to the "
-            f"mesh given to fully_shard ({dp.mesh}); distribute every parameter on that mesh"
+            f"Expected param's DTensor mesh to be the same mesh passed to fully_shard: parameter '{fqn}' is a "
+            f"DTensor on {own.mesh}, but fully_shard({name}) was given {dp.mesh} with dp_mesh_dims; distribute "
+            "every parameter on that mesh object"
         )
     placements = list(own.placements)
     names = dp.mesh.mesh_dim_names
     for index in (dp.shard_dim, dp.replicate_dim):
         if index is not None and not isinstance(placements[index], Replicate):
             raise ValueError(
-                f"fully_shard({name}): parameter '{fqn}' is placed {placements[index]} on the data-parallel dim "
-                f"'{names[index]}'; it must be Replicate() there (fully_shard shards it across that dim)"
+                f"Expected Replicate() on the data-parallel dim '{names[index]}': fully_shard({name}) found parameter "
+                f"'{fqn}' placed {placements[index]} there; it must be Replicate() (fully_shard shards it across "
+                "that dim)"
             )
     if dp.shard_dim is not None and not replicated:
         # the data-parallel shard is inside every chunk that later mesh dims cut the same tensor dim into

@@ -30,7 +30,7 @@ from torch.distributed.tensor import DTensor
 from torch.profiler import record_function
 
 from fullshard.core.phases import TrainingPhase
-from fullshard.plan.strategy import Lifecycle, Strategy, lifecycle
+from fullshard.plan.strategy import AfterBackward, Lifecycle, Strategy, lifecycle
 from fullshard.torch import checks
 from fullshard.torch.group import ParamGroup
 from fullshard.torch.policies import MixedPrecisionPolicy
@@ -154,7 +154,6 @@ class ShardState:
                 if state is not None and state not in context.states:
                     context.adopt(name, state)  # also takes over a unit that ran alone before
         try:
-            context.check_materialized()
             context.check_ranks_agree()
         except Exception:
             for state in context.states:  # undone: the next forward checks again
@@ -231,7 +230,7 @@ class ShardState:
                 if not _in_backward():
                     self.context.record_forward(self, ended=True)
                     self._release_after_forward()
-                self.group.unsharder.requested = False  # an explicit unshard() is used up by this forward
+                self.group.unsharder.keep_for_next_forward = False  # used up by this forward
                 self.phase = TrainingPhase.IDLE
         if self.mp_policy.output_dtype is not None:
             output = _cast_floats(output, self.mp_policy.output_dtype)
@@ -259,7 +258,7 @@ class ShardState:
         if self._forward_done:
             self._forward_done.clear()
             self.phase = TrainingPhase.IDLE
-        if self.group is not None and not self.is_root and not self.group.unsharder.requested:
+        if self.group is not None and not self.is_root and not self.group.unsharder.keep_for_next_forward:
             self._release_after_forward()
 
     def _check_not_used_during_backward(self, module: nn.Module) -> None:
@@ -337,7 +336,7 @@ class ShardState:
         if (reducer.reduce_grads and not self.reduces_at_end_of_backward and not reducer.reduce_unused_params
                 and reducer.has_pending_grads()):
             self.context.start_reduce(self)
-        if group.reshard_after_backward:
+        if group.after_backward is AfterBackward.RESHARD:
             with record_function(self.label("reshard")):
                 group.unsharder.reshard()
 

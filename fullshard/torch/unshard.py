@@ -61,8 +61,9 @@ class Unsharder:
         # W/k ranks, so backward gathers within a group of k ranks only.
         self.post_forward_group: Optional[dist.ProcessGroup] = None
         self._kept: list[Owned] = []
-        # Set by an explicit FSDPModule.unshard(); the next forward of the unit uses that gather.
-        self.requested = False
+        # The next forward of the unit uses the gather as it is: set by an explicit FSDPModule.unshard(),
+        # and by a backward that kept the parameters gathered (set_reshard_after_backward(False)).
+        self.keep_for_next_forward = False
         self._hooks: list = []
         self.plan: GroupPlan
         # Outputs of lone all-gathers: the unsharded parameter is a view of them,
@@ -247,7 +248,7 @@ class Unsharder:
     def reshard(self) -> None:
         """Free the unsharded storage (owned by fullshard; autograd's references stay valid objects)."""
         self.wait_for_unshard()
-        self.requested = False
+        self.keep_for_next_forward = False
         if self.state is GroupState.SHARDED:
             return
         for output in self._view_outputs:
@@ -263,7 +264,7 @@ class Unsharder:
     def mark_stale(self) -> None:
         """Keep the unsharded storage but gather into it again before the next use (ZeRO-1/2)."""
         self.wait_for_unshard()
-        self.requested = False
+        self.keep_for_next_forward = False
         self._become_sharded()
 
     def _become_sharded(self) -> None:
@@ -274,7 +275,7 @@ class Unsharder:
     def begin_step(self, keep: bool) -> None:
         """A new root forward: forget unsharded copies an earlier step left, unless they are known right
         (``keep``, or an explicit unshard() since)."""
-        if self.requested or keep:
+        if self.keep_for_next_forward or keep:
             return
         if self.state is not GroupState.SHARDED:
             self.mark_stale()
