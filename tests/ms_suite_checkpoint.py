@@ -76,6 +76,7 @@ def resume_2_to_2_other_placement():
         (root / "losses.json").write_text(json.dumps(losses))
     other, other_opt = build(seed=5, place=shard1)
     assert other.layers[0].fc1.weight.shape == (16, 4), other.layers[0].fc1.weight.shape  # cut along dim 1
+    train(other, other_opt, range(1))  # an optimizer that has stepped already (its state is in its graph)
     fs.load_checkpoint(other, step_dir(root / "ckpt", SAVE_AT), other_opt)
     resumed = train(other, other_opt, range(SAVE_AT, STEPS))
     assert np.allclose(resumed, losses[SAVE_AT:], rtol=1e-6, atol=1e-6), (resumed, losses[SAVE_AT:])

@@ -16,6 +16,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Callable, Optional
@@ -35,6 +36,14 @@ class WorkerFailed(Exception):
     def __init__(self, message: str, rank: Optional[int] = None, exit_code: Optional[int] = None, log: str = "") -> None:
         super().__init__(message)
         self.rank, self.exit_code, self.log = rank, exit_code, log
+
+
+class Interrupted(Exception):
+    """The launcher got SIGINT or SIGTERM; the workers were stopped."""
+
+
+def _interrupt(signum, _frame) -> None:
+    raise Interrupted(signal.Signals(signum).name)
 
 
 def register_worker(rank: int) -> None:
@@ -103,6 +112,20 @@ def launch(module: str, args: list[str], nproc: int, directory: Path, *, timeout
                f"--log_dir={log_dir}", "--join=True", str(stub), *args]
     launcher_log = directory / "msrun.txt"
     followed = directory / follow_file
+    # msrun runs in a session of its own (so that it and its workers can be stopped together): a signal
+    # to this process must stop them too.
+    handlers = {}
+    if threading.current_thread() is threading.main_thread():
+        handlers = {sig: signal.signal(sig, _interrupt) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        _run(command, proc_env, launcher_log, followed, follow, log_dir, directory, nproc, timeout)
+    finally:
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+
+
+def _run(command, proc_env, launcher_log: Path, followed: Path, follow, log_dir: Path, directory: Path, nproc: int,
+         timeout: Optional[float]) -> None:
     position = 0
     deadline = None if timeout is None else time.monotonic() + timeout
     with open(launcher_log, "w") as out:
@@ -114,12 +137,12 @@ def launch(module: str, args: list[str], nproc: int, directory: Path, *, timeout
             while True:
                 code = proc.poll()
                 if follow is not None and followed.exists():
-                    with open(followed) as handle:
+                    with open(followed, "rb") as handle:
                         handle.seek(position)
                         chunk = handle.read()
-                    complete = chunk[: chunk.rfind("\n") + 1]
-                    position += len(complete.encode())
-                    for line in complete.splitlines():
+                    complete = chunk[: chunk.rfind(b"\n") + 1]
+                    position += len(complete)
+                    for line in complete.decode(errors="replace").splitlines():
                         follow(line)
                 failure = _FAILED.search(launcher_log.read_text(errors="replace"))
                 if failure is not None:

@@ -188,7 +188,9 @@ def load_checkpoint(cell: nn.Cell, path: Union[str, Path], optimizer: Optional[n
         values.append((target, _to_tensor(array)))
     with no_grad():
         for target, value in values:
-            target.set_data(value)
+            # Into the Parameter's own storage: an optimizer that has stepped holds that storage in its
+            # compiled graph, and would go on updating it after a set_data (which swaps in new storage).
+            ops.assign(target, value)
     _forget_unsharded_copies(cell)
 
 
