@@ -68,3 +68,13 @@ def test_a_worker_killed_mid_save_leaves_the_previous_checkpoint(tmp_path):
         assert np.array_equal(checkpoint.full(f"model/{name}").data, expected[name]), name
     assert len(checkpoint.names("optim")) > 0
     shardfiles.export_full(target, tmp_path / "model.safetensors")
+
+
+def test_mindspore_paths_import_no_torch():
+    """The checkpoint format, the MindSpore job, its GPT, the benchmark and the CLI work without torch."""
+    subprocess.run([sys.executable, "-c",
+                    "import sys; sys.modules['torch'] = None\n"
+                    "import fullshard.mindspore.checkpoint, fullshard.core.shardfiles, fullshard.core.msrun\n"
+                    "import fullshard.train.worker_mindspore, fullshard.train.report, fullshard.models.gpt_mindspore\n"
+                    "import fullshard.bench, fullshard.bench.mindspore_runner, fullshard.cli\n"
+                    "assert sys.modules['torch'] is None"], check=True, cwd=ROOT)

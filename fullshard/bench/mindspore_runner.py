@@ -49,7 +49,7 @@ OPTIONS_FILE, FOLLOWED = "options.json", "rank0.log"
 
 # ---------------------------------------------------------------------- one contender
 class Trainer:
-    def __init__(self, label: str, strategy: str, cfg: GPTConfig, seed: int, world: int) -> None:
+    def __init__(self, label: str, strategy: str, cfg: GPTConfig, seed: int, world: int, fusion: bool = False) -> None:
         from mindspore import nn
 
         from fullshard.mindspore import fully_shard
@@ -60,8 +60,8 @@ class Trainer:
         self.sharded = label != "dp"
         if self.sharded:
             for layer in self.model.layers:
-                fully_shard(layer, strategy=strategy)
-            fully_shard(self.model, strategy=strategy)
+                fully_shard(layer, strategy=strategy, comm_fusion=fusion)
+            fully_shard(self.model, strategy=strategy, comm_fusion=fusion)
         self.optimizer = nn.AdamWeightDecay(self.model.trainable_params(), learning_rate=3e-4, weight_decay=0.1)
         self.reducer = None if self.sharded else nn.DistributedGradReducer(self.optimizer.parameters, mean=True,
                                                                            degree=world)
@@ -134,7 +134,7 @@ def measure(label: str, strategy: str, options: dict, rank: int, world: int, cou
     cfg = MODELS[options["model"]]
     gc.collect()
     rss_method = reset_peak_rss()
-    trainer = Trainer(label, strategy, cfg, options["seed"], world)
+    trainer = Trainer(label, strategy, cfg, options["seed"], world, options["comm_fusion"])
     first_loss = trainer.step(make_batch(cfg, options["seed"], 0, rank, world, options["batch_size"]))
     reset_peak_comm_bytes()
     reset_traffic()
@@ -280,6 +280,7 @@ def summarize(options: dict, counts: dict, world: int, rounds: int, labels: list
             "batch_per_rank": options["batch_size"], "rounds": rounds,
             "optimizer": "AdamWeightDecay(lr=3e-4, weight_decay=0.1), MindSpore defaults otherwise",
             "ownership_sanitizer": os.environ.get("FULLSHARD_CHECK_OWNERSHIP") == "1",
+            "comm_fusion": options["comm_fusion"],
         },
         "methods": METHODS,
         "configurations": [{"name": "fp32", "precision": "fp32", "rounds": rounds, "libraries": libraries,
@@ -297,6 +298,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="fullshard bench --framework mindspore", description=__doc__.split("\n")[0])
     add_common_options(parser, MODELS)
     parser.add_argument("--threads", type=int, default=1, help="MindSpore op threads per worker (default 1)")
+    parser.add_argument("--comm-fusion", action="store_true",
+                        help="fully_shard(comm_fusion=True): small parameters of a unit share one collective")
     args = parser.parse_args(argv)
     check_common_options(args, "fullshard bench")
     out_dir = Path(args.out_dir).resolve()
@@ -304,6 +307,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         "nproc": args.nproc, "model": args.model, "rounds": args.rounds, "seed": args.seed,
         "budget": args.budget if args.budget is not None else DEFAULT_BUDGET_S[args.model],
         "batch_size": args.batch_size, "threads": args.threads, "out_dir": str(out_dir),
+        "comm_fusion": args.comm_fusion,
         "command": " ".join(["fullshard bench", *argv]),
     }
     rounds = options["rounds"] or f"up to {options['budget']:g} s of"

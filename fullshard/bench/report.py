@@ -26,6 +26,11 @@ def header(title: str, meta: dict, setting: str) -> list[str]:
     return [f"# {title} - {meta['date']} on {meta['host']}", "", f"`{meta['command']}`", "", setting, ""]
 
 
+def section(title: str, columns: str, aligns: str, note: str = "") -> list[str]:
+    """A table's heading lines: ``columns`` as "a | b | c", ``aligns`` as "|---|---:|---:|"."""
+    return ["", f"## {title}", "", *([note, ""] if note else []), f"| {columns} |", aligns]
+
+
 def methods(summary: dict) -> list[str]:
     return ["", "## Methods", ""] + [f"- **{key}**: {text}" for key, text in summary["methods"].items()]
 
@@ -52,13 +57,9 @@ def format_markdown(summary: dict) -> str:
                 f"| {config['name']} | {config['rounds']} | {label} | `{lib['setup']}` | {lib['step_s']['median'] * 1e3:.1f} | "
                 f"{ratio(vs_fsdp2) if vs_fsdp2 else ''} | {ratio(vs_ddp) if vs_ddp else ''} |"
             )
-    lines += [
-        "",
-        "## Memory per rank, MiB (largest rank)",
-        "",
-        "| config | library | peak in step | held between steps | params+grads+optim | comm peak | transient comm peak | peak RSS |",
-        "|---|---|---:|---:|---:|---:|---:|---:|",
-    ]
+    lines += section("Memory per rank, MiB (largest rank)",
+                     "config | library | peak in step | held between steps | params+grads+optim | comm peak | "
+                     "transient comm peak | peak RSS", "|---|---|---:|---:|---:|---:|---:|---:|")
     for config in summary["configurations"]:
         for label, lib in config["libraries"].items():
             ranks = lib["memory_per_rank"]
@@ -71,18 +72,12 @@ def format_markdown(summary: dict) -> str:
                 f"{mib(state)} | {mib(largest['comm_peak_bytes'])}{sampled} | "
                 f"{mib(largest['transient_comm_peak_bytes'])}{sampled} | {mib(largest['rss_peak_bytes'])} |"
             )
-    lines += [
-        "",
-        "\\* sampled estimate (lower bound); fullshard's is its own exact meter.",
-        "",
-        "## Bytes moved per step per rank, MiB",
-        "",
-        "Collectives by payload (full buffer), measured (theory); point-to-point by bytes sent; "
-        "then all of it as bytes sent per rank, measured (theoretical minimum).",
-        "",
-        "| config | library | all_gather | reduce_scatter | all_reduce | point-to-point | sent (minimum) |",
-        "|---|---|---:|---:|---:|---:|---:|",
-    ]
+    lines += ["", "\\* sampled estimate (lower bound); fullshard's is its own exact meter."]
+    lines += section("Bytes moved per step per rank, MiB",
+                     "config | library | all_gather | reduce_scatter | all_reduce | point-to-point | sent (minimum)",
+                     "|---|---|---:|---:|---:|---:|---:|",
+                     "Collectives by payload (full buffer), measured (theory); point-to-point by bytes sent; "
+                     "then all of it as bytes sent per rank, measured (theoretical minimum).")
     for config in summary["configurations"]:
         for label, lib in config["libraries"].items():
             cells = [f"{mib(lib['bytes_per_step'][k])} ({mib(lib['theory_bytes_per_step'][k])})" for k in KINDS]
@@ -114,7 +109,8 @@ def format_markdown_mindspore(summary: dict) -> str:
         f"{meta['world_size']} msrun workers ({meta['backend']}, {meta['device']}, {meta['threads_per_rank']} op "
         f"thread(s)/worker), GPT {meta['num_params'] / 1e6:.2f}M params, {meta['batch_per_rank']} sequences/worker, "
         f"fp32, one untimed warm-up and one measured step before the timed rounds, MindSpore {meta['mindspore']}, "
-        f"fullshard {meta['fullshard']}, ownership sanitizer {'ON' if meta['ownership_sanitizer'] else 'off'}.",
+        f"fullshard {meta['fullshard']}, comm_fusion={meta['comm_fusion']}, "
+        f"ownership sanitizer {'ON' if meta['ownership_sanitizer'] else 'off'}.",
     ) + [
         "## Step time (median over rounds; ratios: median of per-round ratios, min-max)",
         "",
@@ -125,13 +121,9 @@ def format_markdown_mindspore(summary: dict) -> str:
         vs = config["ratios"].get(f"{label}/dp")
         lines.append(f"| {label} | `{lib['strategy']}` | {config['rounds']} | {lib['step_s']['median'] * 1e3:.0f} | "
                      f"{ratio(vs) if vs else ''} |")
-    lines += [
-        "",
-        "## Model state per rank, MiB (params + grads + optimizer state; largest rank), measured (ZeRO formula)",
-        "",
-        "| contender | params | grads | optimizer | total | formula total |",
-        "|---|---:|---:|---:|---:|---:|",
-    ]
+    lines += section("Model state per rank, MiB (params + grads + optimizer state; largest rank), measured "
+                     "(ZeRO formula)", "contender | params | grads | optimizer | total | formula total",
+                     "|---|---:|---:|---:|---:|---:|")
     for label, lib in libraries.items():
         state = {key: max(r["state_bytes"][key] for r in lib["memory_per_rank"]) for key in ("params", "grads", "optim")}
         formula = lib["theory_memory"]
@@ -139,28 +131,19 @@ def format_markdown_mindspore(summary: dict) -> str:
             f"| {label} | {mib(state['params'])} ({mib(formula['params'])}) | {mib(state['grads'])} "
             f"({mib(formula['grads'])}) | {mib(state['optim'])} ({mib(formula['optim'])}) | "
             f"{mib(sum(state.values()))} | {mib(formula['params'] + formula['grads'] + formula['optim'])} |")
-    lines += [
-        "",
-        "## Memory per rank, MiB (largest rank)",
-        "",
-        "| contender | fullshard's owned storage, peak in the measured step | formula: unsharded in flight | peak RSS |",
-        "|---|---:|---:|---:|",
-    ]
+    lines += section("Memory per rank, MiB (largest rank)",
+                     "contender | fullshard's owned storage, peak in the measured step | formula: unsharded in flight "
+                     "| peak RSS", "|---|---:|---:|---:|")
     for label, lib in libraries.items():
         ranks = lib["memory_per_rank"]
         peaks = [r["comm_peak_bytes"] for r in ranks if r["comm_peak_bytes"] is not None]
         lines.append(f"| {label} | {mib(max(peaks)) if peaks else 'no meter'} | "
                      f"{mib(lib['theory_memory']['unsharded'])} | {mib(max(r['rss_peak_bytes'] for r in ranks))} |")
-    lines += [
-        "",
-        "## Bytes per step per rank, MiB",
-        "",
-        "Collectives by payload (full buffer) as they travelled, then what a rank sends: measured, the "
-        "theoretical minimum, and what the CPU emulation carries for that minimum.",
-        "",
-        "| contender | all_gather | reduce_scatter | all_reduce | sent | minimum | CPU emulation |",
-        "|---|---:|---:|---:|---:|---:|---:|",
-    ]
+    lines += section("Bytes per step per rank, MiB",
+                     "contender | all_gather | reduce_scatter | all_reduce | sent | minimum | CPU emulation",
+                     "|---|---:|---:|---:|---:|---:|---:|",
+                     "Collectives by payload (full buffer) as they travelled, then what a rank sends: measured, the "
+                     "theoretical minimum, and what the CPU emulation carries for that minimum.")
     for label, lib in libraries.items():
         moved = lib["bytes_per_step"]
         lines.append(f"| {label} | " + " | ".join(mib(moved[k]) for k in KINDS) + f" | {mib(lib['sent_per_step'])} | "
