@@ -1,4 +1,9 @@
-"""``fullshard`` command line: ``train`` (the main job) and ``estimate`` (will it fit?).
+"""``fullshard`` command line: ``train`` (the main job), ``bench``, ``export`` and ``estimate`` (will it fit?).
+
+``--framework torch`` (the default) or ``mindspore`` picks the runtime for
+``train`` and ``bench``; ``export`` recognises either kind of checkpoint.
+With MindSpore, ``train`` starts its workers with ``msrun``
+(``fullshard/train/worker_mindspore.py``).
 
 ``fullshard train`` starts its worker processes through PyTorch's elastic
 launcher (the machinery behind ``torchrun``). Started by ``torchrun`` itself
@@ -34,16 +39,19 @@ class WorkerFailed(Exception):
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="fullshard", description="Fully sharded data parallelism on PyTorch.")
+    parser = argparse.ArgumentParser(prog="fullshard",
+                                     description="Fully sharded data parallelism on PyTorch and MindSpore.")
     sub = parser.add_subparsers(dest="command", required=True)
 
     train = sub.add_parser("train", help="train a small GPT on text with N sharded processes")
+    train.add_argument("--framework", default="torch", help="torch | mindspore (default torch)")
     train.add_argument("--nproc", type=int, default=2, help="processes on this machine (default 2)")
     train.add_argument("--model", default="small", help="tiny | small | medium (default small)")
     train.add_argument("--hf-config", help="train a Hugging Face causal LM from a config instead (needs "
                        "transformers): a model type (llama, qwen2, ...), a config.json path or inline JSON")
     train.add_argument("--strategy", default="optim_grads_params", help=" | ".join(STRATEGIES))
-    train.add_argument("--mixed-precision", default="fp32", help="fp32 | bf16 (bf16 compute, fp32 reduce)")
+    train.add_argument("--mixed-precision", default="fp32", help="fp32 | bf16 (bf16 compute, fp32 reduce; torch) | "
+                       "fp16 (fp16 compute, fp32 reduce; mindspore)")
     train.add_argument("--grad-accum", type=int, default=1, help="micro-batches per step")
     train.add_argument("--steps", type=int, default=300)
     train.add_argument("--batch-size", type=int, default=16, help="global batch (sequences per step)")
@@ -58,11 +66,14 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("--out", default="runs/latest", help="where the report, data and plot go")
     train.add_argument("--timeout", type=int, default=600, help="collective timeout in seconds")
 
-    sub.add_parser("bench", help="fullshard vs PyTorch FSDP2 vs DDP, side by side (see fullshard bench --help)")
-    export = sub.add_parser("export", help="write a sharded DCP checkpoint as one full .pt or .safetensors file")
+    sub.add_parser("bench", help="fullshard against FSDP2 and DDP (torch) or MindSpore's data parallel "
+                   "(--framework mindspore), side by side (see fullshard bench --help)")
+    export = sub.add_parser("export", help="write a sharded checkpoint (torch DCP or MindSpore) as one full file")
     export.add_argument("checkpoint", help="a checkpoint directory (e.g. CKPT/step_300)")
-    export.add_argument("out", help="output file: .pt, .pth or .safetensors")
-    export.add_argument("--key", default="model", help="top-level entry to export ('' for everything; default model)")
+    export.add_argument("out", help="output file: .pt, .pth or .safetensors (MindSpore checkpoints: .safetensors)")
+    export.add_argument("--key", default="model", help="torch: top-level entry to export ('' for everything; "
+                        "default model)")
+    export.add_argument("--framework", default="auto", help="auto (from the directory) | torch | mindspore")
 
     estimate = sub.add_parser("estimate", help="memory and traffic per rank, from the planning code")
     estimate.add_argument("--params", type=float, help="number of parameters, e.g. 7e9")
@@ -78,21 +89,45 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _check_common(args) -> None:
+def _check_common(args, precisions: tuple[str, ...] = ("fp32", "bf16")) -> None:
     if args.strategy not in STRATEGIES:
         raise UsageError(f"unknown --strategy {args.strategy!r}; choose one of {', '.join(STRATEGIES)}")
-    if args.mixed_precision not in ("fp32", "bf16"):
-        raise UsageError(f"unknown --mixed-precision {args.mixed_precision!r}; choose fp32 or bf16")
+    if args.mixed_precision not in precisions:
+        raise UsageError(f"unknown --mixed-precision {args.mixed_precision!r}; choose {' or '.join(precisions)}")
     if args.nproc < 1:
         raise UsageError(f"--nproc must be at least 1, got {args.nproc}")
 
 
-def _train_config(args):
-    from fullshard.models.gpt import MODEL_SIZES
-    from fullshard.train.data import expand_paths
-    from fullshard.train.worker import TrainConfig
+def _check_framework(args) -> None:
+    """One line for what the chosen framework cannot do (before anything starts)."""
+    import importlib.util
 
-    _check_common(args)
+    from fullshard.train.config import FRAMEWORKS
+
+    if args.framework not in FRAMEWORKS:
+        raise UsageError(f"unknown --framework {args.framework!r}; choose one of {', '.join(FRAMEWORKS)}")
+    if args.framework == "torch":
+        if args.mixed_precision == "fp16":
+            raise UsageError("--mixed-precision fp16 is for --framework mindspore; torch trains in fp32 or bf16")
+        return
+    if args.mixed_precision == "bf16":
+        raise UsageError("--mixed-precision bf16 with --framework mindspore: MindSpore 2.10 has no bf16 kernels on "
+                         "CPU; use fp16 (fp16 compute, fp32 reduce)")
+    if args.hf_config:
+        raise UsageError("--hf-config builds a Hugging Face torch model; it needs --framework torch")
+    if args.device != "cpu":
+        raise UsageError(f"--device {args.device} with --framework mindspore: the MindSpore job runs on cpu here")
+    if importlib.util.find_spec("mindspore") is None:
+        raise UsageError("--framework mindspore needs MindSpore: pip install 'fullshard[mindspore]'")
+
+
+def _train_config(args):
+    from fullshard.models.config import MODEL_SIZES
+    from fullshard.train.config import TrainConfig
+    from fullshard.train.data import expand_paths
+
+    _check_common(args, ("fp32", "bf16", "fp16"))
+    _check_framework(args)
     if args.model not in MODEL_SIZES:
         raise UsageError(f"unknown --model {args.model!r}; choose one of {', '.join(MODEL_SIZES)}")
     if args.device not in ("cpu", "cuda"):
@@ -119,7 +154,7 @@ def _train_config(args):
         model=args.model, hf_config=args.hf_config, strategy=args.strategy, mixed_precision=args.mixed_precision, grad_accum=args.grad_accum,
         steps=args.steps, batch_size=args.batch_size, lr=args.lr, seed=args.seed, data=args.data,
         checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every, resume=args.resume,
-        out_dir=args.out, device=args.device, timeout_s=args.timeout,
+        out_dir=args.out, device=args.device, timeout_s=args.timeout, framework=args.framework,
     )
 
 
@@ -141,13 +176,7 @@ def _launch(cfg, nproc: int) -> list[dict]:
     try:
         returned = elastic_launch(config, worker_entry)(json.dumps(asdict(cfg)))
     except (SignalException, KeyboardInterrupt) as error:
-        where = ""
-        if cfg.checkpoint_dir:
-            from fullshard.torch.checkpoint import latest_step
-
-            step = latest_step(Path(cfg.checkpoint_dir))
-            where = f"; the last complete checkpoint is step {step}: continue with --resume" if step else ""
-        raise WorkerFailed(f"interrupted ({error or 'keyboard interrupt'}){where}") from None
+        raise WorkerFailed(f"interrupted ({error or 'keyboard interrupt'}){_last_checkpoint_hint(cfg)}") from None
     except ChildFailedError as error:
         rank, failure = error.get_first_failure()
         raise WorkerFailed(
@@ -157,17 +186,49 @@ def _launch(cfg, nproc: int) -> list[dict]:
     return returned[0]
 
 
+def _last_checkpoint_hint(cfg) -> str:
+    if not cfg.checkpoint_dir:
+        return ""
+    from fullshard.core.atomic import latest_step
+
+    step = latest_step(Path(cfg.checkpoint_dir))
+    return f"; the last complete checkpoint is step {step}: continue with --resume" if step else ""
+
+
+def _launch_mindspore(cfg, nproc: int) -> list[dict]:
+    from fullshard.core import msrun
+    from fullshard.train.worker_mindspore import launch
+
+    try:
+        return launch(cfg, nproc, Path(cfg.out_dir) / "msrun")
+    except msrun.Interrupted as error:
+        raise WorkerFailed(f"interrupted ({error}){_last_checkpoint_hint(cfg)}") from None
+    except msrun.WorkerFailed as error:
+        if error.log:
+            print(f"--- rank {error.rank}'s log (the rest is in {Path(cfg.out_dir) / 'msrun' / 'logs'}) ---\n"
+                  f"{error.log}", file=sys.stderr)
+        raise WorkerFailed(f"{error}{_last_checkpoint_hint(cfg)}") from None
+
+
 def train(args) -> int:
     cfg = _train_config(args)
     from fullshard.train.report import format_table, write_report
-    from fullshard.train.worker import reference_losses, worker_entry
 
-    under_torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
-    if under_torchrun:
+    if cfg.framework == "mindspore":
+        from fullshard.train.worker_mindspore import reference_losses
+
+        print(f"fullshard train (mindspore): {args.nproc} msrun workers, model {cfg.model}, strategy {cfg.strategy}, "
+              f"{cfg.mixed_precision}, {cfg.steps} steps -> {cfg.out_dir}", flush=True)
+        results = _launch_mindspore(cfg, args.nproc)
+    elif "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # under torchrun: this process is one rank
+        from fullshard.train.worker import reference_losses, worker_entry
+
         results = worker_entry(json.dumps(asdict(cfg)))
         if int(os.environ["RANK"]) != 0:
             return 0
     else:
+        from fullshard.train.worker import reference_losses
+
         print(f"fullshard train: {args.nproc} processes, model {cfg.model}, strategy {cfg.strategy}, "
               f"{cfg.mixed_precision}, {cfg.steps} steps -> {cfg.out_dir}", flush=True)
         results = _launch(cfg, args.nproc)
@@ -178,7 +239,7 @@ def train(args) -> int:
     summary = write_report(cfg, results, Path(cfg.out_dir), reference)
     print(format_table(summary))
     if reference is not None:
-        tolerance = 5e-2 if cfg.mixed_precision == "bf16" else 1e-3
+        tolerance = 5e-2 if cfg.mixed_precision in ("bf16", "fp16") else 1e-3
         if summary["max_loss_deviation"] > tolerance:
             print(f"verify FAILED: loss deviates by {summary['max_loss_deviation']:.3g} > {tolerance}", file=sys.stderr)
             return 1
@@ -225,10 +286,30 @@ def estimate(args) -> int:
 
 def export(args) -> int:
     """One process, no process group: read the shards, write the full state dict."""
+    from fullshard.core import shardfiles
+
+    framework = args.framework
+    if framework not in ("auto", "torch", "mindspore"):
+        raise UsageError(f"unknown --framework {framework!r}; choose auto, torch or mindspore")
+    if framework == "auto":
+        framework = "mindspore" if shardfiles.is_sharded_checkpoint(args.checkpoint) else "torch"
+    if framework == "mindspore":
+        if not shardfiles.is_sharded_checkpoint(args.checkpoint):
+            raise UsageError(f"{args.checkpoint} is not a complete MindSpore checkpoint directory "
+                             f"(no {shardfiles.METADATA_FILE})")
+        if args.key not in ("model", ""):
+            raise UsageError("--key selects an entry of a torch checkpoint; a MindSpore export holds the model")
+        try:
+            written = shardfiles.export_full(args.checkpoint, args.out)  # numpy only: no MindSpore needed
+        except (ValueError, OSError) as error:
+            raise UsageError(str(error)) from None
+        print(f"wrote {written}")
+        return 0
     from fullshard.torch.checkpoint import export_full
 
     if not Path(args.checkpoint, ".metadata").is_file():
-        raise UsageError(f"{args.checkpoint} is not a complete checkpoint directory (no .metadata)")
+        raise UsageError(f"{args.checkpoint} is not a complete checkpoint directory (no .metadata, "
+                         f"nor a MindSpore {shardfiles.METADATA_FILE})")
     try:
         written = export_full(args.checkpoint, args.out, key=args.key or None)
     except (ValueError, KeyError, ImportError) as error:
@@ -254,7 +335,7 @@ def _count_model(args) -> dict[str, int]:
 
     import torch
 
-    from fullshard.models.gpt import MODEL_SIZES
+    from fullshard.models.config import MODEL_SIZES
     from fullshard.train.models import ModelSpec, count_units
 
     if args.model_class:

@@ -6,7 +6,7 @@ from fullshard.core.traffic import reset_traffic, traffic_bytes
 from fullshard.mindspore.accounting import memory_report
 from fullshard.mindspore.api import fully_shard
 from fullshard.mindspore.buffers import OwnershipError, comm_bytes, reset_peak_comm_bytes, set_check_ownership
-from fullshard.mindspore.checkpoint import full_state_dict
+from fullshard.mindspore.checkpoint import export_checkpoint, full_state_dict, load_checkpoint, save_checkpoint
 from fullshard.mindspore.clip import clip_grad_norm
 from fullshard.mindspore.mesh import DeviceMesh, Shard, init_device_mesh
 from fullshard.mindspore.module import FSDPModule, HSDPModule, UnshardHandle
@@ -23,12 +23,15 @@ __all__ = [
     "UnshardHandle",
     "clip_grad_norm",
     "comm_bytes",
+    "export_checkpoint",
     "full_state_dict",
     "fully_shard",
     "init_device_mesh",
+    "load_checkpoint",
     "memory_report",
     "reset_peak_comm_bytes",
     "reset_traffic",
+    "save_checkpoint",
     "set_check_ownership",
     "traffic_bytes",
 ]

@@ -18,8 +18,8 @@ from mindspore import nn
 from fullshard.core.traffic import reset_traffic, traffic_bytes
 from fullshard.mindspore.buffers import comm_bytes
 from fullshard.mindspore.policies import dtype_bytes
-from fullshard.plan.backends import carried_traffic
-from fullshard.plan.strategy import bytes_sent_per_rank, per_rank_theory
+from fullshard.core.accounting import report_theory
+from fullshard.plan.strategy import Strategy
 
 
 def _states(cell: nn.Cell) -> list:
@@ -63,28 +63,19 @@ def memory_report(cell: nn.Cell, optimizer: Optional[nn.Optimizer] = None) -> di
     strategies = {s.strategy for s in states}
     sharded = [g for g in groups if not g.replicated]
     if len(strategies) == 1 and groups:
-        strategy = strategies.pop()
         group = sharded[0] if sharded else groups[0]
         sample = group.params[0]
-        world = group.comm.size
-        num_params = sum(p.layout.numel for p in managed)
-        largest = max(sum(p.layout.numel for g in s.groups for p in g.params) for s in states)
         root = next((s for s in states if s.is_root), states[0])
-        root_params = sum(p.layout.numel for g in root.groups for p in g.params)
-        param_bytes = dtype_bytes(sample.stored_dtype)
-        compute_bytes = dtype_bytes(sample.compute_dtype)
-        reduce_bytes = dtype_bytes(group.plan.wire_dtype(group.plan.reduce_dtype(sample)))
-        optim_bytes = 2 * param_bytes if isinstance(optimizer, (nn.Adam, nn.AdamWeightDecay)) else 0
-        theory = per_rank_theory(
-            strategy, world, num_params, largest, root_params, param_bytes=param_bytes, optim_bytes=optim_bytes,
-            compute_bytes=compute_bytes, reduce_bytes=reduce_bytes, defers_reduction=False,
+        report["strategy"] = strategies.pop().value
+        report["theory"] = report_theory(
+            Strategy.parse(report["strategy"]), group.comm.size,
+            [sum(p.layout.numel for g in s.groups for p in g.params) for s in states],
+            sum(p.layout.numel for g in root.groups for p in g.params),
+            param_bytes=dtype_bytes(sample.stored_dtype), compute_bytes=dtype_bytes(sample.compute_dtype),
+            reduce_bytes=dtype_bytes(group.plan.wire_dtype(group.plan.reduce_dtype(sample))),
+            adam=isinstance(optimizer, (nn.Adam, nn.AdamWeightDecay)), defers_reduction=False,
+            collectives=group.plan.collectives,
         )
-        carried = carried_traffic(theory["traffic"], group.plan.collectives)
-        report["strategy"] = strategy.value
-        report["theory"] = {
-            "memory": theory["memory"], "traffic": theory["traffic"], "sent": theory["sent"],
-            "carried": carried, "carried_sent": bytes_sent_per_rank(carried, world),
-        }
     return report
 
 

@@ -1,13 +1,41 @@
-"""Full parameters out of a sharded cell (sharded checkpoints build on this)."""
+"""Sharded checkpoints of MindSpore cells: full parameters, save, checked load at any layout, export.
+
+``save_checkpoint(cell, path, optimizer)`` writes every rank's shards of the
+parameters and of the optimizer state per parameter (``nn.Adam``'s
+``moment1``/``moment2``, ``nn.AdamWeightDecay``'s ``adam_m``/``adam_v``: any
+optimizer Parameter named ``<state>.<parameter name>`` with the shard's
+shape), plus the optimizer's other Parameters whole (step, beta powers,
+learning rate). The format is :mod:`fullshard.core.shardfiles`: safetensors
+files and JSON, nothing a load unpickles. The directory appears complete or
+not at all (:mod:`fullshard.core.atomic`): every rank writes into
+``<path>.partial``, all ranks agree that every file is complete, and only
+then rank 0 writes the metadata and renames the directory.
+
+``load_checkpoint(cell, path, optimizer)`` fills a cell sharded at any world
+size, mesh and placement (or not sharded at all): each rank reads the pieces
+its own chunks need. It first checks every name, global shape and dtype and
+reads every value, and only then writes anything, so a checkpoint that does
+not fit leaves the cell and the optimizer as they were.
+"""
 from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional, Union
 
 import mindspore as ms
 import numpy as np
-from mindspore import Tensor, nn
+from mindspore import Parameter, Tensor, nn, ops
 
+from fullshard.core import shardfiles
+from fullshard.core.atomic import partial_dir, publish, start_partial
+from fullshard.core.shardfiles import MODEL, OPTIM, Piece, ShardedCheckpoint, key
+from fullshard.core.tensorfile import Array
 from fullshard.mindspore.autograd import no_grad
 from fullshard.mindspore.collectives import gather_full
 from fullshard.mindspore.param import sharded_param_of
+from fullshard.mindspore.policies import dtype_name, dtype_named
+
+_FRAMEWORK = "mindspore"
 
 
 def _numpy(tensor: Tensor) -> np.ndarray:
@@ -32,3 +60,158 @@ def full_state_dict(cell: nn.Cell) -> dict[str, np.ndarray]:
             group = sharded.group
             full[name] = _numpy(gather_full(sharded, group.comm, group.plan.collectives.gather, group.plan.backend))
     return full
+
+
+# ---------------------------------------------------------------------- what a rank holds
+def _to_array(tensor: Tensor) -> Array:
+    if tensor.dtype == ms.bfloat16:  # numpy has no bf16: keep its bits
+        return Array(tensor.view(ms.float16).asnumpy().view(np.uint16), "bfloat16")
+    return Array(tensor.asnumpy(), dtype_name(tensor.dtype))
+
+
+def _to_tensor(array: Array) -> Tensor:
+    if array.dtype == "bfloat16":
+        return Tensor(array.data.view(np.float16)).view(ms.bfloat16)
+    return Tensor(array.data, dtype=dtype_named(array.dtype))
+
+
+def _placement(param: Parameter) -> tuple[tuple[int, ...], Optional[int], int, int]:
+    """Global shape, the dim this rank's tensor is cut along (None: whole), offset and length on it."""
+    sharded = sharded_param_of(param)
+    if sharded is None or sharded.replicated:
+        return tuple(param.shape), None, 0, 0
+    layout = sharded.layout
+    return tuple(layout.shape), layout.dim, layout.local_offset(sharded.rank), layout.local_length(sharded.rank)
+
+
+def _targets(cell: nn.Cell, optimizer: Optional[nn.Optimizer]) -> list[tuple[Piece, Parameter]]:
+    """Every tensor a checkpoint of ``cell`` (and ``optimizer``) holds, with where this rank's part lies."""
+    targets, by_name = [], {}
+    for param in cell.get_parameters():  # tied parameters once
+        shape, dim, offset, length = _placement(param)
+        targets.append((Piece(key(MODEL, param.name), shape, dtype_name(param.dtype), dim, offset, length), param))
+        by_name[param.name] = param
+    if optimizer is not None:
+        own = {id(p) for p in by_name.values()}
+        for state in optimizer.get_parameters():
+            if id(state) in own:
+                continue
+            owner = by_name.get(state.name.partition(".")[2])
+            if owner is not None and tuple(state.shape) == tuple(owner.shape):
+                shape, dim, offset, length = _placement(owner)  # sharded like its parameter
+            else:
+                shape, dim, offset, length = tuple(state.shape), None, 0, 0  # step counters, beta powers, lr
+            targets.append((Piece(key(OPTIM, state.name), shape, dtype_name(state.dtype), dim, offset, length), state))
+    return targets
+
+
+def _distributed() -> bool:
+    from mindspore.communication import GlobalComm
+
+    return bool(GlobalComm.INITED)
+
+
+def _agree(failed: bool) -> int:
+    """How many ranks failed (0 when this process is alone)."""
+    if not _distributed():
+        return int(failed)
+    flag = Tensor(np.array([1.0 if failed else 0.0], np.float32))
+    return int(round(float(ops.AllReduce()(flag).asnumpy()[0])))
+
+
+def _rank_and_world() -> tuple[int, int]:
+    from mindspore.communication import get_group_size, get_rank
+
+    return (get_rank(), get_group_size()) if _distributed() else (0, 1)
+
+
+# ---------------------------------------------------------------------- saving
+def save_checkpoint(cell: nn.Cell, path: Union[str, Path], optimizer: Optional[nn.Optimizer] = None) -> Path:
+    """Write this rank's shards of ``cell`` (and ``optimizer``'s state) into checkpoint directory ``path``.
+
+    Call it on every rank (every rank must see the same ``path``). The
+    directory appears only when complete; an interrupted save leaves the
+    previous ``path`` (if any) as it was and a ``<path>.partial`` the next save clears.
+    """
+    final = Path(path)
+    rank, world = _rank_and_world()
+    with no_grad():
+        pieces = [Piece(p.key, p.shape, p.dtype, p.dim, p.offset, p.length, _to_array(t))
+                  for p, t in _targets(cell, optimizer)]
+    error: Optional[BaseException] = None
+    if rank == 0:
+        try:
+            start_partial(final)
+        except OSError as caught:
+            error = caught
+    if _agree(error is not None):
+        raise error or RuntimeError(f"save_checkpoint: rank 0 could not create {partial_dir(final)}")
+    try:
+        shardfiles.write_rank(partial_dir(final), rank, pieces)
+    except Exception as caught:  # every rank must learn of it, or the others would wait for this one
+        error = caught
+    failed = _agree(error is not None)
+    if failed:
+        raise error or RuntimeError(f"save_checkpoint: {failed} rank(s) failed to write into {partial_dir(final)}; "
+                                    f"{final} was left as it was")
+    if rank == 0:
+        try:
+            shardfiles.write_metadata(partial_dir(final), world, _FRAMEWORK, pieces)
+            publish(final)
+        except Exception as caught:
+            error = caught
+    if _agree(error is not None):
+        raise error or RuntimeError(f"save_checkpoint: rank 0 could not publish {final}")
+    return final
+
+
+# ---------------------------------------------------------------------- loading
+def load_checkpoint(cell: nn.Cell, path: Union[str, Path], optimizer: Optional[nn.Optimizer] = None) -> None:
+    """Fill ``cell`` (and ``optimizer``) from checkpoint directory ``path``, whatever layout saved it.
+
+    Raises ``ValueError`` naming every missing, unexpected or different
+    parameter (name, global shape, dtype) before anything is written: the
+    cell and optimizer are then untouched. Every rank reads the files itself
+    (no collective).
+    """
+    checkpoint = ShardedCheckpoint(path)
+    targets = _targets(cell, optimizer)
+    sections = (MODEL, OPTIM) if optimizer is not None else (MODEL,)
+    what = "cell and optimizer" if optimizer is not None else "cell"
+    checkpoint.check({p.key: (p.shape, p.dtype) for p, _ in targets}, sections, what)
+    values = []
+    for piece, target in targets:  # read everything first: a file that fails to read changes nothing
+        array = checkpoint.read(piece.key, piece.dim, piece.offset, piece.length)
+        if tuple(array.data.shape) != tuple(target.shape):
+            raise ValueError(f"checkpoint {path}: '{piece.key}' gives this rank shape {array.data.shape}, "
+                             f"the cell holds {tuple(target.shape)}")
+        values.append((target, _to_tensor(array)))
+    with no_grad():
+        for target, value in values:
+            # Into the Parameter's own storage: an optimizer that has stepped holds that storage in its
+            # compiled graph, and would go on updating it after a set_data (which swaps in new storage).
+            ops.assign(target, value)
+    _forget_unsharded_copies(cell)
+
+
+def _forget_unsharded_copies(cell: nn.Cell) -> None:
+    """Unsharded copies kept between steps (ZeRO-1/2) now hold old values: gather again before use."""
+    seen = set()
+    for _, sub in cell.cells_and_names():
+        state = getattr(sub, "_fullshard_state", None)
+        if state is None or id(state) in seen:
+            continue
+        seen.add(id(state))
+        for group in state.groups:
+            group.unsharder.mark_stale()
+
+
+def export_checkpoint(path: Union[str, Path], out_file: Union[str, Path]) -> Path:
+    """Write checkpoint ``path`` as one full ``.safetensors`` file, in this process (no distributed init).
+
+    A plain MindSpore model loads it with ``ms.load_checkpoint(out_file, net=model, format="safetensors")``.
+    """
+    return shardfiles.export_full(path, out_file)
+
+
+__all__ = ["export_checkpoint", "full_state_dict", "load_checkpoint", "save_checkpoint"]

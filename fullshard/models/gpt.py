@@ -6,30 +6,11 @@ embedding (a shared parameter, which fully_shard must keep tied).
 """
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
-
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-
-@dataclass(frozen=True)
-class GPTConfig:
-    vocab_size: int = 256
-    seq_len: int = 128
-    d_model: int = 192
-    n_layers: int = 4
-    n_heads: int = 6
-    mlp_ratio: int = 4
-    tie_embeddings: bool = True
-
-
-MODEL_SIZES = {
-    "tiny": GPTConfig(seq_len=64, d_model=64, n_layers=2, n_heads=4),
-    "small": GPTConfig(),
-    "medium": GPTConfig(seq_len=128, d_model=384, n_layers=6, n_heads=6),
-}
+from fullshard.models.config import MODEL_SIZES, GPTConfig, init_std  # noqa: F401 (MODEL_SIZES: for importers)
 
 
 class CausalSelfAttention(nn.Module):
@@ -89,8 +70,7 @@ class GPT(nn.Module):
             elif param.dim() == 1:
                 nn.init.ones_(param)
             else:
-                std = 0.02 / math.sqrt(2 * self.cfg.n_layers) if name.endswith(("proj.weight", "mlp.2.weight")) else 0.02
-                nn.init.normal_(param, std=std)
+                nn.init.normal_(param, std=init_std(name, self.cfg.n_layers))
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         positions = torch.arange(tokens.shape[1], device=tokens.device)

@@ -15,13 +15,17 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
+from fullshard.core.accounting import report_theory
 from fullshard.core.traffic import reset_traffic, traffic_bytes
-from fullshard.plan.strategy import per_rank_theory
 from fullshard.torch.buffers import comm_bytes
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if hasattr(tensor, "to_local") else tensor
+
+
+def _element_size(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
 
 
 def _nbytes(tensors) -> int:
@@ -74,25 +78,20 @@ def memory_report(model: nn.Module, optimizer: Optional[torch.optim.Optimizer] =
     strategies = {s.strategy for s in states}
     if len(strategies) == 1 and states and states[0].group is not None:
         strategy = strategies.pop()
-        world = states[0].group.world
-        # tensor-parallel parameters count their local part: what data parallelism shards
-        num_params = sum(p.layout.numel for p in managed) + sum(p.to_local().numel() if isinstance(p, DTensor)
-                                                                else p.numel() for p in params[len(managed):])
-        largest = max(sum(p.layout.numel for p in s.group.params) for s in states if s.group is not None)
         root = next((s for s in states if s.is_root), states[0])
-        root_params = sum(p.layout.numel for p in root.group.params) if root.group is not None else 0
         group = states[0].group
         sample = group.params[0]
-        param_bytes = torch.empty((), dtype=sample.stored_dtype).element_size()
-        compute_bytes = torch.empty((), dtype=sample.compute_dtype).element_size()
-        optim_bytes = 2 * param_bytes if isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)) else 0
-        report["strategy"] = strategy.value
         # what gradients travel in: the reduce dtype, or narrower on the pairwise exchange
         wire = group.plan.gradient_wire_dtype(sample.compute_dtype, group.plan.reduce_dtype(sample),
                                               group.reducer.all_reduce, group.reducer.accumulated_without_sync)
-        theory = per_rank_theory(
-            strategy, world, num_params, largest, root_params, param_bytes=param_bytes, optim_bytes=optim_bytes,
-            compute_bytes=compute_bytes, reduce_bytes=torch.empty((), dtype=wire).element_size(),
+        report["strategy"] = strategy.value
+        theory = report_theory(
+            strategy, group.world, [sum(p.layout.numel for p in s.group.params) for s in states if s.group is not None],
+            sum(p.layout.numel for p in root.group.params) if root.group is not None else 0,
+            # tensor-parallel parameters count their local part: what data parallelism shards
+            other_params=sum(p.to_local().numel() if isinstance(p, DTensor) else p.numel() for p in params[len(managed):]),
+            param_bytes=_element_size(sample.stored_dtype), compute_bytes=_element_size(sample.compute_dtype),
+            reduce_bytes=_element_size(wire), adam=isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)),
         )
         report["theory"] = {"memory": theory["memory"], "traffic": theory["traffic"]}
     return report

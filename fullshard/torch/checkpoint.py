@@ -31,8 +31,6 @@ import io
 import os
 import pathlib
 import pickle
-import re
-import shutil
 import warnings
 from pathlib import Path
 from typing import Any, Optional, Union
@@ -46,37 +44,12 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, StorageMeta, TensorStorageMetadata
 
-_COMPLETE = re.compile(r"^step_(\d+)$")
+from fullshard.core.atomic import latest_step, partial_dir, publish, start_partial, step_dir
+
 # DCP's name for the metadata file (``filesystem._metadata_fn``, private there).
 _METADATA_FILE = ".metadata"
 # At most this many problems are spelled out in one mismatch error.
 _MAX_REPORTED = 20
-
-
-def step_dir(root: Path, step: int) -> Path:
-    return Path(root) / f"step_{step}"
-
-
-def latest_step(root: Path) -> Optional[int]:
-    root = Path(root)
-    if not root.is_dir():
-        return None
-    steps = [int(m.group(1)) for p in root.iterdir() if (m := _COMPLETE.match(p.name)) and p.is_dir()]
-    return max(steps, default=None)
-
-
-def _fsync_dir(path: Path) -> None:
-    """Make a rename in ``path`` durable (POSIX); a no-op where directories cannot be opened."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
 
 
 def save_atomic(state: dict[str, Any], root: Path, step: int) -> Path:
@@ -87,27 +60,17 @@ def save_atomic(state: dict[str, Any], root: Path, step: int) -> Path:
     a crash ``step_<N>`` is either absent or complete.
     """
     final = step_dir(root, step)
-    partial = final.with_name(final.name + ".partial")
     rank = dist.get_rank() if dist.is_initialized() else 0
+    partial = partial_dir(final)
     if rank == 0:
-        shutil.rmtree(partial, ignore_errors=True)  # left by an interrupted save
-        partial.mkdir(parents=True)
+        start_partial(final)  # what an interrupted save left there is removed
     if dist.is_initialized():
         dist.barrier()
     dcp.save(state, checkpoint_id=str(partial))
     if dist.is_initialized():
         dist.barrier()
     if rank == 0:
-        # A directory cannot be renamed over a non-empty one. Move the old copy
-        # aside first, so that until the new one is in place the old one still
-        # exists under some name (and step_<N> never holds a mix of both).
-        replaced = final.with_name(final.name + ".replaced")
-        if final.exists():
-            shutil.rmtree(replaced, ignore_errors=True)
-            os.replace(final, replaced)
-        os.replace(partial, final)
-        _fsync_dir(final.parent)
-        shutil.rmtree(replaced, ignore_errors=True)
+        publish(final)
     if dist.is_initialized():
         dist.barrier()
     return final

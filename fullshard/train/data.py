@@ -2,9 +2,10 @@
 
 By default the corpus is the Python standard library's own source files on
 this machine (read as bytes, vocabulary 256); ``--data`` takes the user's own
-files or folders. Batches are a pure function of (seed, step), so every rank,
-the single-process reference of ``--verify`` and a resumed run draw exactly
-the same global batches.
+files or folders. Batches are a pure function of (seed, step), drawn with
+numpy's generator, so every rank, the single-process reference of
+``--verify``, a resumed run and both frameworks draw exactly the same global
+batches (int64 arrays; each worker hands them to its framework).
 """
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import sysconfig
 from pathlib import Path
 from typing import Iterable, Optional
 
-import torch
+import numpy as np
 
 DEFAULT_MAX_BYTES = 8 << 20
 _SKIP_DIRS = {"site-packages", "dist-packages", "test", "tests", "idlelib", "__pycache__"}
@@ -49,7 +50,7 @@ class ByteCorpus:
             if total >= max_bytes:
                 break
         raw = b"\n".join(chunks)
-        tokens = torch.frombuffer(bytearray(raw), dtype=torch.uint8).long()
+        tokens = np.frombuffer(raw, dtype=np.uint8)
         split = int(len(tokens) * (1 - val_fraction))
         self.train, self.val = tokens[:split], tokens[split:]
         self.files = len(chunks)
@@ -58,12 +59,12 @@ class ByteCorpus:
     def load(cls, paths: Optional[list[str]], max_bytes: int = DEFAULT_MAX_BYTES) -> "ByteCorpus":
         return cls(expand_paths(paths) if paths else stdlib_files(), max_bytes)
 
-    def batch(self, split: str, seed: int, step: int, batch_size: int, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """A global batch of (tokens, next tokens), the same on every process."""
+    def batch(self, split: str, seed: int, step: int, batch_size: int, seq_len: int) -> tuple[np.ndarray, np.ndarray]:
+        """A global batch of (tokens, next tokens), int64 of shape (batch_size, seq_len), the same everywhere."""
         data = self.train if split == "train" else self.val
         if len(data) <= seq_len + 1:
             raise ValueError(f"the {split} split has {len(data)} bytes, fewer than seq_len+1={seq_len + 1}")
-        gen = torch.Generator().manual_seed(seed * 1_000_003 + step * 2 + (split != "train"))
-        starts = torch.randint(0, len(data) - seq_len - 1, (batch_size,), generator=gen)
-        windows = torch.stack([data[s : s + seq_len + 1] for s in starts.tolist()])
-        return windows[:, :-1], windows[:, 1:]
+        rng = np.random.default_rng(seed * 1_000_003 + step * 2 + (split != "train"))
+        starts = rng.integers(0, len(data) - seq_len - 1, size=batch_size)
+        windows = np.stack([data[s : s + seq_len + 1] for s in starts.tolist()]).astype(np.int64)
+        return np.ascontiguousarray(windows[:, :-1]), np.ascontiguousarray(windows[:, 1:])

@@ -17,6 +17,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from fullshard.models.gpt import GPT, MODEL_SIZES
+from fullshard.train.config import unit_counts
 
 # Small defaults for a config named by model type only ("llama", "qwen2", ...):
 # the architecture of that family at a size that trains on a laptop.
@@ -95,7 +96,5 @@ class ModelSpec:
 
 def count_units(model: nn.Module) -> dict[str, int]:
     """Parameters in all, outside the layers (the root unit), and in the largest unit (a layer, or the root)."""
-    total = sum(p.numel() for p in model.parameters())
-    per_layer = [sum(p.numel() for p in layer.parameters()) for layer in model.layers]
-    root = total - sum(per_layer)
-    return {"num_params": total, "largest_unit": max(per_layer + [root]), "root_params": root}
+    return unit_counts(sum(p.numel() for p in model.parameters()),
+                       [sum(p.numel() for p in layer.parameters()) for layer in model.layers])

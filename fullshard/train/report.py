@@ -8,15 +8,21 @@ from pathlib import Path
 from typing import Optional
 
 from fullshard.plan.exchange import DEFAULT_BACKENDS, EXCHANGE_ENV, gradient_wire_bytes
-from fullshard.plan.strategy import Strategy, per_rank_theory
+from fullshard.plan.strategy import Strategy, bytes_sent_per_rank, per_rank_theory
 
 
 def _mib(nbytes: float) -> str:
     return f"{nbytes / 2**20:8.2f} MiB"
 
 
-def theoretical(cfg, world: int, units: dict[str, int]) -> dict:
-    """What the planning code predicts for this run (per rank)."""
+def theoretical(cfg, world: int, units: dict[str, int], runtime: Optional[dict] = None) -> dict:
+    """What the planning code predicts for this run (per rank).
+
+    ``runtime``: the figures a runtime's ``memory_report`` computed from its own plan (MindSpore's
+    include what the CPU emulation carries); without them the torch runtime's are worked out here.
+    """
+    if runtime is not None:
+        return {"num_params": units["num_params"], **runtime}
     strategy = Strategy.parse(cfg.strategy)
     # bf16 gradients, unless micro-batches were accumulated without sync (in fp32, the reduce dtype)
     grads = "bfloat16" if cfg.mixed_precision == "bf16" and cfg.grad_accum == 1 else "float32"
@@ -38,9 +44,10 @@ def write_report(cfg, results: list[dict], out_dir: Path, reference: Optional[di
     first = results[0]
     steps = sorted(int(s) for s in first["losses"])
     losses = [first["losses"][str(s)] if str(s) in first["losses"] else first["losses"][s] for s in steps]
-    theory = theoretical(cfg, world, first["units"])
+    theory = theoretical(cfg, world, first["units"], first.get("theory"))
     summary = {
         "config": {k: v for k, v in vars(cfg).items()},
+        "framework": getattr(cfg, "framework", "torch"),
         "world_size": world,
         "steps": steps,
         "train_loss": losses,
@@ -61,15 +68,16 @@ def write_report(cfg, results: list[dict], out_dir: Path, reference: Optional[di
         writer.writerow(["step", "train_loss", "reference_loss"])
         for index, step in enumerate(steps):
             writer.writerow([step, losses[index], reference[step] if reference else ""])
-    summary["plot"] = _plot(summary, out_dir / "report.png")
+    summary["plot"], summary["plot_skipped"] = _plot(summary, out_dir / "report.png")
     return summary
 
 
 def format_table(summary: dict) -> str:
     theory = summary["theory"]
     mem, traffic = theory["memory"], theory["traffic"]
+    framework = summary.get("framework", "torch")
     lines = [
-        f"fullshard train: {summary['config']['hf_config'] or summary['config']['model'] + ' GPT'}, "
+        f"fullshard train ({framework}): {summary['config']['hf_config'] or summary['config']['model'] + ' GPT'}, "
         f"{theory['num_params'] / 1e6:.2f}M params, "
         f"{summary['world_size']} ranks, strategy {summary['config']['strategy']}, "
         f"{summary['config']['mixed_precision']}",
@@ -85,26 +93,38 @@ def format_table(summary: dict) -> str:
             f"    rank {rank['rank']}     {_mib(held)}                  {_mib(mem['params'] + mem['grads'] + mem['optim'])}"
             f"            {_mib(rank['peak_rss_bytes'])}"
         )
-    lines.append("  traffic/step measured (rank 0)        theory (minimum)")
+    carried = theory.get("carried")
+    emulation = "   CPU emulation carries" if carried else ""
+    lines.append(f"  traffic/step measured (rank 0)        theory (minimum){emulation}")
     measured = summary["ranks"][0]["traffic"]
     for kind in ("all_gather", "reduce_scatter", "all_reduce"):
-        if measured.get(kind) or traffic.get(kind):
-            lines.append(f"    {kind:<15}{_mib(measured.get(kind, 0))}            {_mib(traffic[kind])}")
+        if measured.get(kind) or traffic.get(kind) or (carried and carried.get(kind)):
+            extra = f"      {_mib(carried.get(kind, 0))}" if carried else ""
+            lines.append(f"    {kind:<15}{_mib(measured.get(kind, 0))}            {_mib(traffic[kind])}{extra}")
+    if carried:
+        lines.append(f"    sent/rank      {_mib(bytes_sent_per_rank(measured, summary['world_size']))}            "
+                     f"{_mib(theory['sent'])}      {_mib(theory['carried_sent'])}")
     if summary.get("plot"):
         lines.append(f"  plot         {summary['plot']}")
+    elif summary.get("plot_skipped"):
+        lines.append(f"  plot         skipped: {summary['plot_skipped']}")
     return "\n".join(lines)
 
 
-def _plot(summary: dict, path: Path) -> Optional[str]:
+PLOT_SKIPPED = "matplotlib is not installed; pip install matplotlib (or fullshard[plot]) to get report.png"
+
+
+def _plot(summary: dict, path: Path) -> tuple[Optional[str], Optional[str]]:
+    """(the PNG written, None), or (None, why it was skipped)."""
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        return None
+        return None, PLOT_SKIPPED
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
-    left.plot(summary["steps"], summary["train_loss"], label="fullshard (sharded)")
+    left.plot(summary["steps"], summary["train_loss"], label=f"fullshard.{summary.get('framework', 'torch')} (sharded)")
     if summary.get("reference_loss"):
         left.plot(summary["steps"], summary["reference_loss"], "--", label="single-process reference")
     left.axhline(summary["val_loss"], color="gray", linestyle=":", label=f"final val loss {summary['val_loss']:.3f}")
@@ -128,4 +148,4 @@ def _plot(summary: dict, path: Path) -> Optional[str]:
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
-    return str(path)
+    return str(path), None

@@ -8,12 +8,10 @@ from __future__ import annotations
 
 import datetime
 import json
-import math
 import os
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
-from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -22,47 +20,10 @@ import torch.nn as nn
 from fullshard.core.procs import peak_rss_bytes
 from fullshard.plan.exchange import DEFAULT_BACKENDS
 from fullshard.core.traffic import traffic
+from fullshard.train.config import EVAL_BATCHES, RankResult, TrainConfig, learning_rate
 from fullshard.train.data import ByteCorpus
 from fullshard.train.models import ModelSpec, count_units
 from fullshard.train.progress import Progress
-
-EVAL_BATCHES = 4
-
-
-@dataclass
-class TrainConfig:
-    model: str = "small"
-    hf_config: Optional[str] = None
-    strategy: str = "optim_grads_params"
-    mixed_precision: str = "fp32"
-    grad_accum: int = 1
-    steps: int = 300
-    batch_size: int = 16
-    lr: float = 3e-3
-    seed: int = 0
-    data: Optional[list[str]] = None
-    checkpoint_dir: Optional[str] = None
-    checkpoint_every: int = 0
-    resume: bool = False
-    out_dir: str = "runs/latest"
-    device: str = "cpu"
-    timeout_s: int = 600
-
-
-@dataclass
-class RankResult:
-    rank: int
-    world: int
-    losses: dict[int, float] = field(default_factory=dict)  # step -> global mean loss
-    val_loss: float = float("nan")
-    tokens_per_s: float = 0.0
-    peak_rss_bytes: int = 0
-    param_bytes: int = 0
-    grad_bytes: int = 0
-    optim_bytes: int = 0
-    start_step: int = 0
-    units: dict[str, int] = field(default_factory=dict)  # parameter counts (see models.count_units)
-    traffic: dict[str, int] = field(default_factory=dict)  # collective bytes of the last step
 
 
 def model_spec(cfg: TrainConfig) -> ModelSpec:
@@ -90,12 +51,8 @@ def shard(model: nn.Module, cfg: TrainConfig) -> nn.Module:
 
 
 def set_learning_rate(optimizer: torch.optim.Optimizer, cfg: TrainConfig, step: int) -> None:
-    """Linear warm-up then cosine decay to 10%: a pure function of the step, so resuming needs no state."""
-    warmup = max(1, cfg.steps // 20)
-    progress = min(1.0, max(0.0, (step - warmup) / max(1, cfg.steps - warmup)))
-    scale = (step + 1) / warmup if step < warmup else 0.1 + 0.45 * (1 + math.cos(math.pi * progress))
     for group in optimizer.param_groups:
-        group["lr"] = cfg.lr * scale
+        group["lr"] = learning_rate(cfg, step)
 
 
 def _local_bytes(tensors) -> int:
@@ -157,7 +114,8 @@ def run_rank(cfg: TrainConfig) -> dict:
         began = time.perf_counter()
         traffic.clear()
         set_learning_rate(optimizer, cfg, step)
-        tokens, targets = (t.chunk(world)[rank].to(device) for t in corpus.batch("train", cfg.seed, step, cfg.batch_size, seq_len))
+        tokens, targets = (torch.from_numpy(t).chunk(world)[rank].to(device)
+                           for t in corpus.batch("train", cfg.seed, step, cfg.batch_size, seq_len))
         total = torch.zeros((), device=device)
         for index in range(cfg.grad_accum):
             model.set_requires_gradient_sync(index == cfg.grad_accum - 1)
@@ -195,8 +153,9 @@ def run_rank(cfg: TrainConfig) -> dict:
 def evaluate(model, corpus: ByteCorpus, cfg: TrainConfig, seq_len: int, rank: int, world: int, device) -> float:
     total = torch.zeros((), device=device)
     for index in range(EVAL_BATCHES):
-        tokens, targets = corpus.batch("val", cfg.seed, index, max(world, cfg.batch_size), seq_len)
-        total += model.loss(tokens.chunk(world)[rank].to(device), targets.chunk(world)[rank].to(device))
+        tokens, targets = (torch.from_numpy(t).chunk(world)[rank].to(device)
+                           for t in corpus.batch("val", cfg.seed, index, max(world, cfg.batch_size), seq_len))
+        total += model.loss(tokens, targets)
     dist.all_reduce(total)
     return total.item() / world / EVAL_BATCHES
 
@@ -210,7 +169,7 @@ def reference_losses(cfg: TrainConfig) -> dict[int, float]:
     optimizer = make_optimizer(model, cfg)
     losses = {}
     for step in range(cfg.steps):
-        tokens, targets = corpus.batch("train", cfg.seed, step, cfg.batch_size, seq_len)
+        tokens, targets = (torch.from_numpy(t) for t in corpus.batch("train", cfg.seed, step, cfg.batch_size, seq_len))
         if cfg.mixed_precision == "bf16":
             with torch.autocast("cpu", dtype=torch.bfloat16):
                 loss = model.loss(tokens, targets)

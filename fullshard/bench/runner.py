@@ -1,4 +1,4 @@
-"""``python -m fullshard.bench``: fullshard vs PyTorch FSDP2 vs DDP, side by side, in one process group.
+"""The torch benchmark (``python -m fullshard.bench``): fullshard vs PyTorch FSDP2 vs DDP, in one process group.
 
 One invocation starts ``--nproc`` local processes (gloo on CPU, NCCL with
 ``--device cuda``). For each configuration (ZeRO-3 / ZeRO-2, fp32 / bf16
@@ -35,40 +35,31 @@ import argparse
 import contextlib
 import datetime
 import gc
-import json
 import os
 import platform
-import statistics
 import sys
 import time
-import weakref
 from collections import Counter
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Callable, Iterable, Iterator, Optional
+from typing import Callable, Iterator, Optional
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
+from fullshard.bench.common import (
+    DEFAULT_BUDGET_S, KINDS, MAX_ROUNDS, MIN_ROUNDS, MODELS, add_common_options, check_common_options, paired_ratios,
+    rounds_for, spread,
+)
+from fullshard.bench.memory import CommSampler, CpuAllocations, CudaAllocations, fsdp2_unsharded, storage_bytes, training_state
+from fullshard.bench.report import POINT_TO_POINT, format_markdown, write_results
 from fullshard.core.procs import free_port, peak_rss_bytes, reset_peak_rss
 from fullshard.models.gpt import GPT, GPTConfig
-from fullshard.train.models import count_units
 from fullshard.plan.exchange import DEFAULT_BACKENDS, EXCHANGE_ENV, gradient_wire_bytes
 from fullshard.plan.strategy import Strategy, bytes_sent_per_rank, per_rank_theory
-
-MODELS = {
-    "default": GPTConfig(vocab_size=8192, seq_len=128, d_model=384, n_layers=6, n_heads=6),
-    "tiny": GPTConfig(vocab_size=256, seq_len=32, d_model=64, n_layers=2, n_heads=4),
-}
-# Without --rounds, each configuration runs as many timed rounds as fit in a
-# time budget (estimated from the measured memory step), within these bounds:
-# three pairs at least for a median with a spread, and no more than needed.
-MIN_ROUNDS, MAX_ROUNDS = 3, 30
-DEFAULT_BUDGET_S = {"default": 60.0, "tiny": 1.0}
-KINDS = ("all_gather", "reduce_scatter", "all_reduce")  # collectives, by their payload
-POINT_TO_POINT = "point_to_point"  # bytes sent by isend/send
+from fullshard.train.models import count_units
 # Steps before the measured memory step: lazy initialization and optimizer
 # state; DDP also rebuilds its gradient buckets at the start of its second.
 WARMUP_STEPS = {"fullshard": 1, "fsdp2": 1, "ddp": 2}
@@ -285,241 +276,6 @@ def _synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
-
-
-def _training_state(params: list[torch.Tensor], optimizer: torch.optim.Optimizer) -> dict[str, list[torch.Tensor]]:
-    """This rank's parameters, gradients and optimizer state (local shards).
-
-    ``params`` must be taken at rest: inside a forward, a sharded module shows
-    its unsharded parameters instead.
-    """
-    return {
-        "params": [_local(p) for p in params],
-        "grads": [_local(p.grad) for p in params if p.grad is not None],
-        "optim": [_local(v) for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v)],
-    }
-
-
-def _storage_bytes(tensors: Iterable[torch.Tensor], seen: set[int]) -> int:
-    """Bytes of the storages behind ``tensors`` not in ``seen`` (which grows)."""
-    total = 0
-    for tensor in tensors:
-        storage = tensor.untyped_storage()
-        if storage.data_ptr() and storage.data_ptr() not in seen:
-            seen.add(storage.data_ptr())
-            total += storage.nbytes()
-    return total
-
-
-# ---------------------------------------------------------------------- memory
-class CommSampler:
-    """Peak live bytes of communication storage, sampled (FSDP2 and DDP have no meter).
-
-    Live communication storage is the union of the buffers passed to a
-    collective during the step (held weakly: once the library drops them, they
-    are gone) and ``extra()`` (FSDP2's unsharded parameters), minus the
-    storages of the training state (a reduce-scatter output that became the
-    sharded gradient is state). It is sampled after every collective and at
-    every forward boundary of a block, so the figure is a lower bound of the
-    true peak, taken at the moments new buffers appear.
-    """
-
-    def __init__(self, trainer: Trainer, extra: Callable[[], list[torch.Tensor]]) -> None:
-        self._params = list(trainer.model.parameters())  # at rest: the sharded ones
-        self._optimizer = trainer.optimizer
-        self._extra = extra
-        self._buffers: list[weakref.ref] = []
-        self._hooks: list = []
-        self.peak = 0
-        self.transient_peak = 0  # the collectives' own buffers only, without extra()
-
-    def see(self, tensors: list[torch.Tensor]) -> None:
-        self._buffers.extend(weakref.ref(t) for t in tensors)
-        self.sample()
-
-    def sample(self, *_ignored) -> None:
-        state: set[int] = set()
-        for tensors in _training_state(self._params, self._optimizer).values():
-            _storage_bytes(tensors, state)
-        self._buffers = [ref for ref in self._buffers if ref() is not None]
-        staging = [ref() for ref in self._buffers]
-        self.transient_peak = max(self.transient_peak, _storage_bytes(staging, set(state)))
-        self.peak = max(self.peak, _storage_bytes(staging + self._extra(), state))
-
-    def hook_blocks(self, model: nn.Module) -> None:
-        """Also sample inside each block's forward, while its parameters are unsharded."""
-        for module in (*model.layers, model):
-            self._hooks.append(module.register_forward_pre_hook(self.sample))
-            self._hooks.append(module.register_forward_hook(self.sample, prepend=True))
-
-    def close(self) -> None:
-        for hook in self._hooks:
-            hook.remove()
-
-
-def _fsdp2_unsharded(model: nn.Module) -> list[torch.Tensor]:
-    """The storages FSDP2 all-gathers each parameter into (its unsharded parameter's data)."""
-    from torch.distributed.fsdp import FSDPModule
-
-    tensors = []
-    for module in model.modules():
-        if isinstance(module, FSDPModule):
-            for group in module._get_fsdp_state()._fsdp_param_groups:
-                for param in group.fsdp_params:
-                    tensors.extend(param.all_gather_outputs)
-    return tensors
-
-
-@contextlib.contextmanager
-def _quiet_stderr() -> Iterator[None]:
-    """Kineto prints a line to fd 2 whenever the profiler starts and stops."""
-    sys.stderr.flush()
-    saved = os.dup(2)
-    with open(os.devnull, "w") as devnull:
-        os.dup2(devnull.fileno(), 2)
-    try:
-        yield
-    finally:
-        os.dup2(saved, 2)
-        os.close(saved)
-
-
-class CpuAllocations:
-    """Live tensor bytes on the CPU, replayed from the PyTorch profiler's allocator events.
-
-    The profiler reports every allocation and free made while it runs, with
-    the op that made it. Replaying them in time order gives the bytes
-    allocated since entry and still alive (frees of older blocks are not
-    reported, so older memory never counts). ``held``: live at the start of
-    the measured step; ``peak``: the maximum during it.
-
-    Two gaps are closed by hand. A collective's work object keeps its tensors
-    alive, and when the backend's thread drops the last reference the free
-    happens where the profiler does not look: so the storage of every tensor
-    passed to a collective is watched (``watch``) and its death, timed by the
-    same clock, frees its block. And blocks the backend allocates itself
-    inside a collective (gloo copies a reduce-scatter's input) are left out:
-    they are the backend's, as NCCL's buffers are outside CUDA's counters.
-    """
-
-    MARK = "fullshard.bench.measured_step"
-
-    def __enter__(self) -> "CpuAllocations":
-        self._deaths: list[tuple[int, int, int]] = []  # (time of death, address, time first seen)
-        self._watched: "weakref.WeakKeyDictionary[torch.UntypedStorage, set[int]]" = weakref.WeakKeyDictionary()
-        self._finalizers: list[weakref.finalize] = []
-        self._profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True)
-        with _quiet_stderr():
-            self._profiler.start()
-        return self
-
-    def watch(self, tensors: list[torch.Tensor]) -> None:
-        """Note when the storages behind ``tensors`` (a collective's) die, on whatever thread."""
-        for tensor in tensors:
-            storage = tensor.untyped_storage()
-            address = storage.data_ptr()
-            addresses = self._watched.setdefault(storage, set())
-            if address and address not in addresses:
-                addresses.add(address)
-                self._finalizers.append(weakref.finalize(storage, self._on_death, address, time.time_ns()))
-
-    def _on_death(self, address: int, seen_ns: int) -> None:
-        self._deaths.append((time.time_ns(), address, seen_ns))
-
-    def measured_step(self):
-        return torch.profiler.record_function(self.MARK)
-
-    def __exit__(self, *exc) -> None:
-        with _quiet_stderr():
-            self._profiler.stop()
-        for finalizer in self._finalizers:
-            finalizer.detach()
-        if exc[0] is None:
-            self._replay(self._profiler.profiler.kineto_results.experimental_event_tree())
-
-    def _replay(self, roots) -> None:
-        from torch._C._profiler import _EventType
-
-        nodes, stack = [], list(roots)
-        while stack:
-            node = stack.pop()
-            nodes.append(node)
-            stack.extend(node.children)
-        mark = next(n for n in nodes if n.name == self.MARK)
-        events = [
-            (n.start_time_ns, n.extra_fields.ptr, n.extra_fields.alloc_size, _inside_collective(n))
-            for n in nodes if n.tag == _EventType.Allocation
-        ]
-        events += [(when, address, 0, seen) for when, address, seen in self._deaths]
-        live: dict[int, tuple[int, int]] = {}  # address -> (bytes, time allocated) of the blocks counted
-        backend: set[int] = set()  # addresses of the backend's blocks
-        total, self.held, self.peak = 0, None, None
-        for when, address, nbytes, extra in sorted(events, key=lambda e: e[0]):
-            if when > mark.end_time_ns:
-                break
-            if self.held is None and when >= mark.start_time_ns:
-                self.held = self.peak = total
-            if nbytes > 0:  # an allocation; a reused address means the block there was freed unseen
-                backend.discard(address)
-                total -= live.pop(address, (0, 0))[0]
-                if extra:
-                    backend.add(address)
-                else:
-                    live[address] = (nbytes, when)
-                    total += nbytes
-            elif nbytes < 0:  # a free the profiler saw
-                if address in backend:
-                    backend.discard(address)
-                else:
-                    total -= live.pop(address, (0, 0))[0]
-            elif address in live and live[address][1] <= extra:
-                # A watched storage died: its block goes, unless the address was
-                # freed and reused after the storage was seen there.
-                total -= live.pop(address)[0]
-            if self.held is not None:
-                self.peak = max(self.peak, total)
-        if self.held is None:  # nothing allocated or freed during the step
-            self.held = self.peak = total
-
-
-def _inside_collective(event) -> bool:
-    node = event.parent
-    while node is not None:
-        if node.name.startswith(("c10d::", "gloo:")):
-            return True
-        node = node.parent
-    return False
-
-
-class CudaAllocations:
-    """The caching allocator's counters, relative to what was allocated before entry."""
-
-    def __init__(self, device: torch.device) -> None:
-        self._device = device
-
-    def __enter__(self) -> "CudaAllocations":
-        torch.cuda.synchronize(self._device)
-        self._base = torch.cuda.memory_allocated(self._device)
-        return self
-
-    @contextlib.contextmanager
-    def measured_step(self) -> Iterator[None]:
-        torch.cuda.synchronize(self._device)
-        self.held = torch.cuda.memory_allocated(self._device) - self._base
-        torch.cuda.reset_peak_memory_stats(self._device)
-        yield
-        torch.cuda.synchronize(self._device)
-        self.peak = torch.cuda.max_memory_allocated(self._device) - self._base
-
-    def watch(self, tensors: list[torch.Tensor]) -> None:
-        """Nothing to do: the caching allocator sees every free, whichever thread makes it."""
-
-    def __exit__(self, *exc) -> None:
-        pass
-
-
 def measure_memory(contender: Contender, config: Configuration, run: Run) -> tuple[Trainer, dict]:
     """Build this library's copy, take its warm-up steps, then measure one step; return the warm trainer.
 
@@ -537,8 +293,8 @@ def measure_memory(contender: Contender, config: Configuration, run: Run) -> tup
 
     def probe() -> None:
         seen: set[int] = set()
-        for kind, tensors in _training_state(list(trainer.model.parameters()), trainer.optimizer).items():
-            state[kind] = _storage_bytes(tensors, seen)
+        for kind, tensors in training_state(list(trainer.model.parameters()), trainer.optimizer).items():
+            state[kind] = storage_bytes(tensors, seen)
 
     warmup = WARMUP_STEPS[contender.library]
     with allocations:
@@ -549,7 +305,7 @@ def measure_memory(contender: Contender, config: Configuration, run: Run) -> tup
             trainer.step(make_batch(run, step))
         sampler = None
         if contender.library != "fullshard":
-            extra = (lambda: _fsdp2_unsharded(trainer.model)) if contender.library == "fsdp2" else list
+            extra = (lambda: fsdp2_unsharded(trainer.model)) if contender.library == "fsdp2" else list
             sampler = CommSampler(trainer, extra)
             if contender.library == "fsdp2":
                 sampler.hook_blocks(trainer.model)
@@ -591,7 +347,7 @@ def fit_rounds(step_seconds: list[float], budget_s: float, run: Run) -> int:
     """As many rounds as fit in the budget (judged by the slowest rank), within [MIN_ROUNDS, MAX_ROUNDS]."""
     round_s = torch.tensor([sum(step_seconds)], dtype=torch.float64, device=run.device)
     dist.all_reduce(round_s, op=dist.ReduceOp.MAX)
-    return int(min(MAX_ROUNDS, max(MIN_ROUNDS, budget_s // max(round_s.item(), 1e-9))))
+    return rounds_for(round_s.item(), budget_s)
 
 
 def time_rounds(trainers: dict[str, Trainer], run: Run, rounds: int) -> dict[str, dict]:
@@ -631,7 +387,7 @@ def _worker(local_rank: int, options: dict) -> None:
         if run.rank == 0:
             summary = summarize(gathered, run, options)
             table = format_markdown(summary)
-            json_path, md_path = _write(summary, table, Path(options["out_dir"]))
+            json_path, md_path = write_results(summary, table, Path(options["out_dir"]))
             print(table)
             print(f"wrote {json_path} and {md_path}", flush=True)
     finally:
@@ -681,10 +437,6 @@ def _run_configuration(config: Configuration, run: Run, options: dict) -> dict:
 
 
 # ---------------------------------------------------------------------- summary and report
-def _spread(values: list[float]) -> dict:
-    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
-
-
 def model_counts(cfg: GPTConfig) -> dict[str, int]:
     return count_units(GPT(cfg))
 
@@ -716,7 +468,7 @@ def _summarize_contender(contender: Contender, config: Configuration, ranks: lis
     entry = {
         "library": contender.library,
         "setup": contender.setup,
-        "step_s": {**_spread(round_times), "rounds": round_times},
+        "step_s": {**spread(round_times), "rounds": round_times},
         "bytes_per_step": moved,
         "bytes_same_every_step_and_rank": all(s == steps[0] for t in timings for s in t["bytes"]),
         "theory_bytes_per_step": theory,
@@ -736,12 +488,9 @@ def _summarize_contender(contender: Contender, config: Configuration, ranks: lis
 
 
 def _paired_ratios(libraries: dict[str, dict], config: Configuration) -> dict[str, dict]:
-    ratios = {}
-    for ours in (c.label for c in config.contenders if c.library == "fullshard"):
-        for theirs in ("fsdp2", "ddp"):
-            pairs = zip(libraries[ours]["step_s"]["rounds"], libraries[theirs]["step_s"]["rounds"])
-            ratios[f"{ours}/{theirs}"] = _spread([a / b for a, b in pairs])
-    return ratios
+    rounds = {label: lib["step_s"]["rounds"] for label, lib in libraries.items()}
+    ours = [c.label for c in config.contenders if c.library == "fullshard"]
+    return paired_ratios(rounds, [(label, theirs) for label in ours for theirs in ("fsdp2", "ddp")])
 
 
 def summarize(ranks: list[list[dict]], run: Run, options: dict) -> dict:
@@ -833,110 +582,18 @@ METHODS = {
 }
 
 
-def _mib(nbytes: float) -> str:
-    return f"{nbytes / 2**20:.1f}"
-
-
-def _ratio(spread: dict) -> str:
-    return f"{spread['median']:.2f} ({spread['min']:.2f}-{spread['max']:.2f})"
-
-
-def format_markdown(summary: dict) -> str:
-    meta = summary["meta"]
-    lines = [
-        f"# fullshard vs FSDP2 vs DDP - {meta['date']} on {meta['host']}",
-        "",
-        f"`{meta['command']}`",
-        "",
-        f"{meta['world_size']} ranks ({meta['backend']}, {meta['device']}, {meta['threads_per_rank']} thread(s)/rank), "
-        f"GPT {meta['num_params'] / 1e6:.2f}M params, {meta['batch_per_rank']} sequences/rank, "
-        f"untimed warm-up and memory steps before the timed rounds, torch {meta['torch']}, "
-        f"fullshard {meta['fullshard']}, ownership sanitizer {'ON' if meta['fullshard_ownership_sanitizer'] else 'off'}.",
-        "",
-        "## Step time (median over rounds; ratios: median of per-round ratios, min-max)",
-        "",
-        "| config | rounds | library | setup | step ms | fullshard / FSDP2 | fullshard / DDP |",
-        "|---|---:|---|---|---:|---:|---:|",
-    ]
-    for config in summary["configurations"]:
-        for label, lib in config["libraries"].items():
-            vs_fsdp2 = config["ratios"].get(f"{label}/fsdp2")
-            vs_ddp = config["ratios"].get(f"{label}/ddp")
-            lines.append(
-                f"| {config['name']} | {config['rounds']} | {label} | `{lib['setup']}` | {lib['step_s']['median'] * 1e3:.1f} | "
-                f"{_ratio(vs_fsdp2) if vs_fsdp2 else ''} | {_ratio(vs_ddp) if vs_ddp else ''} |"
-            )
-    lines += [
-        "",
-        "## Memory per rank, MiB (largest rank)",
-        "",
-        "| config | library | peak in step | held between steps | params+grads+optim | comm peak | transient comm peak | peak RSS |",
-        "|---|---|---:|---:|---:|---:|---:|---:|",
-    ]
-    for config in summary["configurations"]:
-        for label, lib in config["libraries"].items():
-            ranks = lib["memory_per_rank"]
-            keys = ("peak_bytes", "held_bytes", "comm_peak_bytes", "transient_comm_peak_bytes", "rss_peak_bytes")
-            largest = {key: max(r[key] for r in ranks) for key in keys}
-            state = max(sum(r["state_bytes"].values()) for r in ranks)
-            sampled = "" if lib["library"] == "fullshard" else " *"
-            lines.append(
-                f"| {config['name']} | {label} | {_mib(largest['peak_bytes'])} | {_mib(largest['held_bytes'])} | "
-                f"{_mib(state)} | {_mib(largest['comm_peak_bytes'])}{sampled} | "
-                f"{_mib(largest['transient_comm_peak_bytes'])}{sampled} | {_mib(largest['rss_peak_bytes'])} |"
-            )
-    lines += [
-        "",
-        "\\* sampled estimate (lower bound); fullshard's is its own exact meter.",
-        "",
-        "## Bytes moved per step per rank, MiB",
-        "",
-        "Collectives by payload (full buffer), measured (theory); point-to-point by bytes sent; "
-        "then all of it as bytes sent per rank, measured (theoretical minimum).",
-        "",
-        "| config | library | all_gather | reduce_scatter | all_reduce | point-to-point | sent (minimum) |",
-        "|---|---|---:|---:|---:|---:|---:|",
-    ]
-    for config in summary["configurations"]:
-        for label, lib in config["libraries"].items():
-            cells = [f"{_mib(lib['bytes_per_step'][k])} ({_mib(lib['theory_bytes_per_step'][k])})" for k in KINDS]
-            cells.append(_mib(lib["bytes_per_step"][POINT_TO_POINT]))
-            cells.append(f"{_mib(lib['sent_per_step'])} ({_mib(lib['theory_sent_per_step'])})")
-            lines.append(f"| {config['name']} | {label} | " + " | ".join(cells) + " |")
-    lines += ["", "## Methods", ""] + [f"- **{key}**: {text}" for key, text in summary["methods"].items()]
-    return "\n".join(lines) + "\n"
-
-
-def _write(summary: dict, table: str, out_dir: Path) -> tuple[Path, Path]:
-    out_dir.mkdir(parents=True, exist_ok=True)
-    stem = f"{summary['meta']['date']}-{summary['meta']['host']}"
-    json_path, md_path = out_dir / f"{stem}.json", out_dir / f"{stem}.md"
-    json_path.write_text(json.dumps(summary, indent=1))
-    md_path.write_text(table)
-    return json_path, md_path
-
-
 # ---------------------------------------------------------------------- command line
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m fullshard.bench", description=__doc__.split("\n")[0])
-    parser.add_argument("--nproc", type=int, default=2, help="local processes (default 2)")
+    add_common_options(parser, MODELS)
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="cpu (gloo) or cuda (NCCL)")
-    parser.add_argument("--model", choices=sorted(MODELS), default="default", help="default: the ~14M GPT")
-    parser.add_argument("--tiny", action="store_const", const="tiny", dest="model", help="same as --model tiny")
-    parser.add_argument("--rounds", type=int, help=f"timed rounds (default: as many as fit in --budget, {MIN_ROUNDS} to {MAX_ROUNDS})")
-    parser.add_argument("--budget", type=float, help="seconds of timed rounds per configuration (default 60; 1 with --tiny)")
-    parser.add_argument("--batch-size", type=int, default=4, help="sequences per rank (default 4)")
     parser.add_argument("--configs", nargs="+", choices=[c.name for c in configurations()], help="default: all")
     parser.add_argument("--threads", type=int, help="torch threads per rank (default: cores / nproc)")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--timeout", type=int, default=600, help="collective timeout in seconds")
-    parser.add_argument("--out-dir", default="benchmarks/results", help="where the JSON and Markdown go")
     return parser
 
 
 def _options(args: argparse.Namespace, argv: list[str]) -> dict:
-    if args.nproc < 1 or args.batch_size < 1 or (args.rounds is not None and args.rounds < 1):
-        raise SystemExit("fullshard.bench: --nproc, --batch-size and --rounds must be >= 1")
+    check_common_options(args, "fullshard.bench")
     if args.device == "cuda" and torch.cuda.device_count() < args.nproc:
         raise SystemExit(f"fullshard.bench: --device cuda needs {args.nproc} GPUs, found {torch.cuda.device_count()}")
     return {
@@ -967,5 +624,3 @@ def main(argv: Optional[list[str]] = None) -> int:
     return 0
 
 
-if __name__ == "__main__":
-    sys.exit(main())

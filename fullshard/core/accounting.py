@@ -1,0 +1,45 @@
+"""The theoretical half of a runtime's ``memory_report``, assembled once for both runtimes.
+
+Each runtime counts its own tensors (``fullshard/torch/accounting.py``,
+``fullshard/mindspore/accounting.py``) and hands the sizes of its units here;
+the ZeRO formulas themselves are :func:`fullshard.plan.strategy.per_rank_theory`.
+"""
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+from fullshard.plan.backends import Collectives, carried_traffic
+from fullshard.plan.strategy import Strategy, bytes_sent_per_rank, per_rank_theory
+
+
+def report_theory(
+    strategy: Strategy,
+    world: int,
+    unit_params: Sequence[int],
+    root_params: int,
+    *,
+    other_params: int = 0,
+    param_bytes: int,
+    compute_bytes: int,
+    reduce_bytes: int,
+    adam: bool,
+    defers_reduction: bool = True,
+    collectives: Optional[Collectives] = None,
+) -> dict:
+    """Memory, traffic and bytes sent per rank for a model of ``unit_params`` (one entry per fully_shard
+    unit, the root's own parameters included) plus ``other_params`` fullshard leaves alone.
+
+    Adam keeps two moments per parameter in the parameters' dtype. With ``collectives`` (a backend
+    that emulates some of them), ``carried``/``carried_sent`` say what the chosen collectives really
+    move for that traffic.
+    """
+    theory = per_rank_theory(
+        strategy, world, sum(unit_params) + other_params, max(unit_params), root_params,
+        param_bytes=param_bytes, optim_bytes=2 * param_bytes if adam else 0, compute_bytes=compute_bytes,
+        reduce_bytes=reduce_bytes, defers_reduction=defers_reduction,
+    )
+    figures = {"memory": theory["memory"], "traffic": theory["traffic"], "sent": theory["sent"]}
+    if collectives is not None:
+        carried = carried_traffic(theory["traffic"], collectives)
+        figures.update(carried=carried, carried_sent=bytes_sent_per_rank(carried, world))
+    return figures

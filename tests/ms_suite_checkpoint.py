@@ -1,0 +1,181 @@
+"""Sharded checkpoints of fullshard.mindspore on 2 msrun workers (one launch; the sanitizer is on).
+
+Artifacts for the single-process half of the tests (resume 2->1, export) go
+to ``$FULLSHARD_TEST_OUT``: the step-3 checkpoint, the full parameters saved
+in it and the uninterrupted run's losses.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import numpy as np
+
+import mindspore as ms
+from mindspore import Tensor, nn, ops
+
+import fullshard.mindspore as fs
+from fullshard.core import shardfiles
+from fullshard.core.atomic import latest_step, partial_dir, step_dir
+from fullshard.core.shardfiles import METADATA_FILE
+from tests.ms_parity import TinyLM, init_numpy, lm_batch, lm_loss, local_rows, rank, mean_over_ranks, wrap_layers
+
+STEPS, SAVE_AT, LR = 6, 3, 1e-2
+
+
+def out_dir() -> Path:
+    return Path(os.environ["FULLSHARD_TEST_OUT"])
+
+
+def barrier() -> None:
+    ops.AllReduce()(Tensor(np.ones(1, np.float32))).asnumpy()
+
+
+def shard1(param):
+    return fs.Shard(1) if param.ndim == 2 else fs.Shard(0)
+
+
+def build(seed: int = 0, place=None, **model):
+    net = init_numpy(TinyLM(**model), seed)
+    wrap_layers(net, **({"shard_placement_fn": place} if place else {}))
+    return net, nn.Adam(net.trainable_params(), learning_rate=LR)
+
+
+def train(net, opt, steps) -> list[float]:
+    losses = []
+    for step in steps:
+        ids, labels = lm_batch(step, 4)
+        loss, grads = ms.value_and_grad(lambda: lm_loss(net, local_rows(ids), local_rows(labels)), None,
+                                        opt.parameters)()
+        opt(grads)
+        losses.append(mean_over_ranks(float(loss.asnumpy())))
+    return losses
+
+
+def snapshot(net, opt) -> dict[str, np.ndarray]:
+    """The whole model and this rank's optimizer state, to show a refused load changed nothing."""
+    state = {f"model/{k}": v for k, v in fs.full_state_dict(net).items()}
+    state.update({f"optim/{p.name}": p.asnumpy().copy() for p in opt.get_parameters()})
+    return state
+
+
+def resume_2_to_2_other_placement():
+    """Save after step 3 with Shard(0); a fresh model sharded with Shard(1) and another init loads it and
+    continues: its losses equal the uninterrupted run's."""
+    root = out_dir()
+    net, opt = build()
+    losses = train(net, opt, range(SAVE_AT))
+    fs.save_checkpoint(net, step_dir(root / "ckpt", SAVE_AT), opt)
+    saved = fs.full_state_dict(net)
+    losses += train(net, opt, range(SAVE_AT, STEPS))
+    final = fs.full_state_dict(net)
+    if rank() == 0:
+        np.savez(root / "saved_params.npz", **saved)
+        (root / "losses.json").write_text(json.dumps(losses))
+    other, other_opt = build(seed=5, place=shard1)
+    assert other.layers[0].fc1.weight.shape == (16, 4), other.layers[0].fc1.weight.shape  # cut along dim 1
+    train(other, other_opt, range(1))  # an optimizer that has stepped already (its state is in its graph)
+    fs.load_checkpoint(other, step_dir(root / "ckpt", SAVE_AT), other_opt)
+    resumed = train(other, other_opt, range(SAVE_AT, STEPS))
+    assert np.allclose(resumed, losses[SAVE_AT:], rtol=1e-6, atol=1e-6), (resumed, losses[SAVE_AT:])
+    worst = 0.0
+    for name, value in fs.full_state_dict(other).items():
+        worst = max(worst, float(np.abs(value - final[name]).max()))
+    assert worst < 1e-5, worst
+    barrier()
+    return {"losses": losses, "resumed": resumed, "max_param_error": worst}
+
+
+def _load_fails(net, opt, path, *expected) -> str:
+    before = snapshot(net, opt)
+    try:
+        fs.load_checkpoint(net, path, opt)
+    except ValueError as error:
+        message = str(error)
+    else:
+        raise AssertionError(f"loading {path} did not fail")
+    for text in expected:
+        assert text in message, (text, message)
+    after = snapshot(net, opt)
+    for name, value in before.items():
+        assert np.array_equal(value, after[name]), f"{name} changed although the load was refused"
+    lines = message.splitlines()
+    return lines[min(1, len(lines) - 1)].strip()  # the first problem
+
+
+def bad_checkpoints_are_refused_and_change_nothing():
+    root = out_dir() / "bad"
+    net, opt = build()
+    train(net, opt, range(1))
+    good = root / "good"
+    fs.save_checkpoint(net, good, opt)
+    fs.save_checkpoint(net, root / "model_only", None)
+    if rank() == 0:  # damaged copies
+        for name in ("dtype", "truncated"):
+            shutil.copytree(good, root / name)
+        meta = json.loads((root / "dtype" / METADATA_FILE).read_text())
+        meta["entries"]["model/norm.gamma"]["dtype"] = "float16"
+        (root / "dtype" / METADATA_FILE).write_text(json.dumps(meta))
+        with open(root / "truncated" / shardfiles.rank_file(1), "r+b") as handle:
+            handle.truncate(200)
+    barrier()
+    messages = {}
+    wider, wider_opt = build(h=12)
+    train(wider, wider_opt, range(1))
+    messages["shape"] = _load_fails(wider, wider_opt, good, "shape mismatch for parameter 'layers.0.fc1.weight'",
+                                    "checkpoint (16, 8)")
+    deeper, deeper_opt = build(layers=3)
+    messages["missing"] = _load_fails(deeper, deeper_opt, good, "missing in checkpoint: parameter 'layers.2.fc1.weight'")
+    shallower, shallower_opt = build(layers=1)
+    messages["unexpected"] = _load_fails(shallower, shallower_opt, good,
+                                         "unexpected in checkpoint: parameter 'layers.1.fc1.weight'")
+    messages["dtype"] = _load_fails(net, opt, root / "dtype", "dtype mismatch for parameter 'norm.gamma'")
+    messages["no optimizer state"] = _load_fails(net, opt, root / "model_only",
+                                                 "missing in checkpoint: optimizer state 'moment1.emb.embedding_table'")
+    messages["truncated"] = _load_fails(net, opt, root / "truncated", shardfiles.rank_file(1))
+    fs.load_checkpoint(net, good, opt)  # the good one still loads into the model it came from
+    barrier()
+    return messages
+
+
+def a_failed_write_fails_every_rank_and_keeps_the_old_checkpoint():
+    """Rank 1 cannot write: both ranks raise (none waits forever) and the previous checkpoint stays."""
+    root = out_dir() / "failed_write"
+    net, opt = build()
+    fs.save_checkpoint(net, step_dir(root, 1), opt)
+    saved = fs.full_state_dict(net)
+    train(net, opt, range(1))
+    original = shardfiles.write_rank
+
+    def refuse(directory, rank_index, pieces):
+        if rank_index == 1:
+            raise OSError(28, "No space left on device (simulated)")
+        return original(directory, rank_index, pieces)
+
+    shardfiles.write_rank = refuse
+    try:
+        fs.save_checkpoint(net, step_dir(root, 1), opt)
+    except Exception as error:
+        message = str(error)
+    else:
+        raise AssertionError("the save did not fail")
+    finally:
+        shardfiles.write_rank = original
+    assert ("No space left" in message) if rank() == 1 else ("1 rank(s) failed" in message), message
+    assert latest_step(root) == 1 and partial_dir(step_dir(root, 1)).exists()
+    check = shardfiles.ShardedCheckpoint(step_dir(root, 1))
+    for name, value in saved.items():
+        assert np.array_equal(check.full(f"model/{name}").data, value), name
+    barrier()
+    return message
+
+
+def suite():
+    return {
+        "resume_2_to_2_other_placement": resume_2_to_2_other_placement,
+        "bad_checkpoints_are_refused_and_change_nothing": bad_checkpoints_are_refused_and_change_nothing,
+        "a_failed_write_fails_every_rank_and_keeps_the_old_checkpoint":
+            a_failed_write_fails_every_rank_and_keeps_the_old_checkpoint,
+    }
