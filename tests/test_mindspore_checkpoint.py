@@ -13,7 +13,7 @@ import pytest
 pytest.importorskip("mindspore")
 
 from fullshard.core import shardfiles  # noqa: E402
-from fullshard.core.atomic import latest_step, partial_dir  # noqa: E402
+from fullshard.core.atomic import partial_dir  # noqa: E402
 from fullshard.core.msrun import WorkerFailed, launch  # noqa: E402
 from tests.harness import assert_scenario, suite_tests  # noqa: E402
 from tests.ms_harness import run_ms_suite  # noqa: E402

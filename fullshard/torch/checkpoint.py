@@ -44,7 +44,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, StorageMeta, TensorStorageMetadata
 
-from fullshard.core.atomic import latest_step, partial_dir, publish, start_partial, step_dir
+from fullshard.core.atomic import latest_step, partial_dir, publish, start_partial, step_dir  # noqa: F401 (latest_step: public here)
 
 # DCP's name for the metadata file (``filesystem._metadata_fn``, private there).
 _METADATA_FILE = ".metadata"
