@@ -117,7 +117,7 @@ class GradReducer:
     def _sum_across_replicas(self, index: int, output: Owned, offset: int) -> tuple[Optional[Owned], int]:
         """HSDP: this rank's chunk, plus any partial sum, summed across replicas (or kept as a partial sum)."""
         bucket, label = self.plan.buckets[index], self.plan.labels[index]
-        mine = output.tensor[offset : offset + bucket.chunk_numel]
+        mine = output.tensor.narrow(0, offset, bucket.chunk_numel)  # a view (slicing would copy)
         partial = self._partials.pop(index, None)
         if partial is not None:
             buffers.accumulate(partial, mine, "add to the partial gradient sum")
