@@ -7,6 +7,7 @@ from typing import Any, Callable, Iterable, Optional, Union
 
 from mindspore import Parameter, nn
 
+from fullshard.core.units import STATE_ATTR, owners_of_params
 from fullshard.mindspore.autograd import in_pynative_mode
 from fullshard.mindspore.exchange import Comm
 from fullshard.mindspore.group import ParamGroup
@@ -19,29 +20,9 @@ from fullshard.plan import DEFAULT_FUSE_BELOW_NUMEL, Exchange, ShardLayout
 from fullshard.plan.backends import Collectives, choose_collectives
 from fullshard.plan.strategy import Strategy, lifecycle
 
-STATE_ATTR = "_fullshard_state"
-
-
 def _owners_of_params(cells: list[nn.Cell]) -> tuple[dict[int, list[tuple[nn.Cell, str, str]]], dict[int, Parameter]]:
     """Every (cell, attribute name, path) holding each parameter, skipping cells already sharded."""
-    owners: dict[int, list[tuple[nn.Cell, str, str]]] = {}
-    params: dict[int, Parameter] = {}
-
-    def visit(cell: nn.Cell, prefix: str, is_top: bool) -> None:
-        if not is_top and hasattr(cell, STATE_ATTR):
-            return
-        for name, param in cell._params.items():
-            if param is None:
-                continue
-            params[id(param)] = param
-            owners.setdefault(id(param), []).append((cell, name, prefix + name))
-        for child_name, child in cell._cells.items():
-            if child is not None:
-                visit(child, f"{prefix}{child_name}.", False)
-
-    for index, cell in enumerate(cells):
-        visit(cell, f"[{index}]." if len(cells) > 1 else "", True)
-    return owners, params
+    return owners_of_params(cells, lambda c: c._params.items(), lambda c: c._cells.items())
 
 
 def _display_name(cell: nn.Cell) -> str:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
+from fullshard.core.units import BucketNames
 from fullshard.mindspore.param import ShardedParam
 from fullshard.mindspore.policies import dtype_name, dtype_named
 from fullshard.plan import MINDSPORE_RUNTIME, GatherPlan, plan_buckets, plan_gather
@@ -14,7 +15,9 @@ from fullshard.plan.backends import Backend, Collectives, carrier_dtype, is_bit_
 from fullshard.plan.exchange import Exchange
 
 
-class GroupPlan:
+class GroupPlan(BucketNames):
+    owner_kind = "cell"
+
     def __init__(
         self,
         params: list[ShardedParam],
@@ -33,7 +36,7 @@ class GroupPlan:
         # Only parameters of the same dtypes and trainability share a buffer.
         kinds = tuple((p.stored_dtype, p.compute_dtype, p.requires_grad) for p in params)
         self.buckets = plan_buckets(self.layouts, fuse_below_numel, kinds)
-        self.labels = [self._label(b.members) for b in self.buckets]
+        self._name_buckets()
         for index, bucket in enumerate(self.buckets):  # every dtype must travel: refused now, not in a bprop
             param = params[bucket.members[0]]
             try:
@@ -50,23 +53,6 @@ class GroupPlan:
                         exchange=collectives.gather, runtime=MINDSPORE_RUNTIME, bit_cast=self.gather_carrier(i)[1])
             for i, b in enumerate(self.buckets)
         ]
-
-    def members(self, index: int) -> list[ShardedParam]:
-        return [self.params[i] for i in self.buckets[index].members]
-
-    def rename(self, module_fqn: str) -> None:
-        """Name the group's parameters by their path from the root cell (known at the first forward)."""
-        if self.module_name == module_fqn or not module_fqn:
-            return
-        for param in self.params:
-            param.fqn = f"{module_fqn}.{param.local_fqn}"
-        self.module_name = module_fqn
-        self.labels = [self._label(b.members) for b in self.buckets]
-
-    def _label(self, members: tuple[int, ...]) -> str:
-        names = ", ".join(self.params[i].fqn for i in members[:3])
-        more = f" and {len(members) - 3} more" if len(members) > 3 else ""
-        return f"[{names}{more}] of cell '{self.module_name}'"
 
     def reduce_dtype(self, param: ShardedParam) -> Any:
         return self._reduce_dtype or param.compute_dtype

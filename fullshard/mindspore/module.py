@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
+from fullshard.core.units import configure, distinct_states
 from fullshard.mindspore.autograd import in_pynative_mode
 from fullshard.mindspore.state import ShardState
 
@@ -30,22 +31,11 @@ class FSDPModule:
         return super().__call__(*args, **kwargs)
 
     def _fullshard_states(self, recurse: bool) -> list[ShardState]:
-        cells = [sub for _, sub in self.cells_and_names()] if recurse else [self]
-        seen, states = set(), []
-        for cell in cells:
-            state = getattr(cell, "_fullshard_state", None)
-            if state is not None and id(state) not in seen:
-                seen.add(id(state))
-                states.append(state)
-        return states
+        return distinct_states([sub for _, sub in self.cells_and_names()] if recurse else [self])
 
     def _configure(self, recurse: bool, part: str, **values: Any) -> None:
         """Set ``values`` on one part ("group", "unsharder" or "reducer") of every group in reach."""
-        for state in self._fullshard_states(recurse):
-            for group in state.groups:
-                target = group if part == "group" else getattr(group, part)
-                for name, value in values.items():
-                    setattr(target, name, value)
+        configure(self._fullshard_states(recurse), part, values)
 
     def unshard(self, async_op: bool = False) -> Optional[UnshardHandle]:
         """Gather this cell's parameters now; until ``reshard()`` its attributes show the full tensors,

@@ -17,11 +17,12 @@ Life of a unit in one step (ZeRO-3), inside ``value_and_grad``:
 from __future__ import annotations
 
 import threading
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 from mindspore import Tensor, nn
 
 from fullshard.core.phases import TrainingPhase
+from fullshard.core.units import RootedUnit
 from fullshard.core.trees import map_leaves
 from fullshard.mindspore.autograd import recording
 from fullshard.mindspore.group import ParamGroup
@@ -36,7 +37,7 @@ def _active_root() -> Optional["ShardState"]:
     return getattr(_active, "root", None)
 
 
-class ShardState:
+class ShardState(RootedUnit):
     def __init__(
         self,
         cells: list[nn.Cell],
@@ -73,43 +74,23 @@ class ShardState:
         return lifecycle(self.strategy, bool(self.is_root), self._reshard_after_forward, defers_reduction=False)
 
     @property
-    def reshard_after_forward(self) -> bool:
-        return self.lifecycle.reshard_after_forward
-
-    @reshard_after_forward.setter
-    def reshard_after_forward(self, value: bool) -> None:
-        self._reshard_after_forward = value
-
-    @property
     def name(self) -> str:
         if self.groups:
             return self.groups[0].module_name
         return ", ".join(type(c).__name__ for c in self.cells)
 
-    # ------------------------------------------------------------------ lazy init
-    def _lazy_init_as_root(self) -> RootContext:
-        if self.context is not None:
-            return self.context
-        context = RootContext(self)
-        self.context, self.is_root = context, True
+    # ------------------------------------------------------------------ lazy init (core.units.RootedUnit)
+    def _new_root_context(self) -> RootContext:
+        return RootContext(self)
+
+    def _named_submodules(self) -> Iterator[tuple[str, nn.Cell]]:
         for index, cell in enumerate(self.cells):
             prefix = f"[{index}]." if len(self.cells) > 1 else ""
             for name, sub in cell.cells_and_names():
-                state = getattr(sub, "_fullshard_state", None)
-                if state is not None and state not in context.states:
-                    context.adopt(f"{prefix}{name}" if name else prefix.rstrip("."), state)
-        context.check_ranks_agree()
-        return context
+                yield (f"{prefix}{name}" if name else prefix.rstrip(".")), sub
 
-    def _ensure_context(self) -> RootContext:
-        """A unit outside its root's cells (called from the root's forward) joins the active root."""
-        if self.context is None:
-            root = _active_root()
-            if root is not None and root.context is not None:
-                root.context.adopt("", self)
-            else:
-                self._lazy_init_as_root()
-        return self.context
+    def _active_root(self) -> Optional["ShardState"]:
+        return _active_root()
 
     # ------------------------------------------------------------------ forward
     def _pre_forward(self, cell: nn.Cell, args: tuple, kwargs: dict) -> tuple[tuple, dict]:

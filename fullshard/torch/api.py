@@ -10,6 +10,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
 
+from fullshard.core.units import STATE_ATTR, owners_of_params
 from fullshard.plan import ShardLayout
 from fullshard.plan.strategy import AfterBackward, Strategy, lifecycle
 from fullshard.torch.policies import (
@@ -94,24 +95,7 @@ def _owners_of_params(
     modules: list[nn.Module], ignored: set[int]
 ) -> tuple[dict[int, list[tuple[nn.Module, str, str]]], dict[int, nn.Parameter]]:
     """Every (module, attribute name, fqn) holding each managed parameter, skipping nested FSDP units."""
-    owners: dict[int, list[tuple[nn.Module, str, str]]] = {}
-    params: dict[int, nn.Parameter] = {}
-
-    def visit(module: nn.Module, prefix: str, is_top: bool) -> None:
-        if not is_top and hasattr(module, "_fullshard_state"):
-            return
-        for name, param in module._parameters.items():
-            if param is None or id(param) in ignored:
-                continue
-            params[id(param)] = param
-            owners.setdefault(id(param), []).append((module, name, prefix + name))
-        for child_name, child in module._modules.items():
-            if child is not None:
-                visit(child, f"{prefix}{child_name}.", False)
-
-    for index, module in enumerate(modules):
-        visit(module, f"[{index}]." if len(modules) > 1 else "", True)
-    return {key: owners[key] for key in params}, params
+    return owners_of_params(modules, lambda m: m._parameters.items(), lambda m: m._modules.items(), frozenset(ignored))
 
 
 def fully_shard(
@@ -155,7 +139,7 @@ def fully_shard(
                 "never called, so its parameters would never be gathered; shard the modules it holds, or pass "
                 "them as a list to form one group: fully_shard(list(container), ...)"
             )
-        if hasattr(m, "_fullshard_state"):
+        if hasattr(m, STATE_ATTR):
             raise AppliedTwiceError(
                 f"Each distinct composable distributed API can only be applied to a module once. fully_shard was "
                 f"already applied to {type(m).__name__}; apply it once per module (children first, then parents)"
@@ -277,7 +261,7 @@ def fully_shard(
             group.unsharder.post_forward_group = _post_forward_group(mesh, dp.shard_dim, post_forward_size)
     state = ShardState(modules, group, mp, reshard_after_forward, strategy)
     for m in modules:
-        m._fullshard_state = state
+        setattr(m, STATE_ATTR, state)
         fsdp2_views.expose(m, state)
         cls = type(m)
         if cls not in FSDP_CLASSES:
@@ -289,7 +273,7 @@ def fully_shard(
 def _state(module: nn.Module) -> Optional[ShardState]:
     """``fully_shard.state(module)``: fullshard's state of a sharded module (None for any other), as FSDP2's
     ``fully_shard.state`` gives its own."""
-    return getattr(module, "_fullshard_state", None)
+    return getattr(module, STATE_ATTR, None)
 
 
 fully_shard.state = _state

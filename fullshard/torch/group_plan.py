@@ -12,6 +12,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
+from fullshard.core.units import BucketNames
 from fullshard.plan import Exchange, GatherPlan, choose_exchange, exchange_tag, plan_buckets, plan_gather, wire_dtype
 from fullshard.plan.exchange import EXCHANGE_ENV
 from fullshard.plan.layout import DEFAULT_FUSE_BELOW_NUMEL
@@ -23,7 +24,7 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-class GroupPlan:
+class GroupPlan(BucketNames):
     def __init__(
         self,
         params: list[ShardedParam],
@@ -62,28 +63,11 @@ class GroupPlan:
         ]
         self._name_buckets()
 
-    def members(self, index: int) -> list[ShardedParam]:
-        return [self.params[i] for i in self.buckets[index].members]
-
-    def rename(self, module_fqn: str) -> None:
-        """Name the group's parameters by their path from the root module (known at lazy init)."""
-        if self.module_name == module_fqn or not module_fqn:
-            return
-        for param in self.params:
-            param.fqn = f"{module_fqn}.{param.local_fqn}"
-        self.module_name = module_fqn
-        self._name_buckets()
-
     def _name_buckets(self) -> None:
         """Labels for messages, and the point-to-point tags derived from them (the same on every rank)."""
-        self.labels = [self._label(b.members) for b in self.buckets]
+        super()._name_buckets()
         self.gather_tags = [exchange_tag(label, "all_gather") for label in self.labels]
         self.reduce_tags = [exchange_tag(label, "reduce_scatter") for label in self.labels]
-
-    def _label(self, members: tuple[int, ...]) -> str:
-        names = ", ".join(self.params[i].fqn for i in members[:3])
-        more = f" and {len(members) - 3} more" if len(members) > 3 else ""
-        return f"[{names}{more}] of module '{self.module_name}'"
 
     def reduce_dtype(self, param: ShardedParam) -> torch.dtype:
         return self._reduce_dtype or param.compute_dtype

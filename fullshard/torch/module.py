@@ -12,6 +12,7 @@ from torch.distributed import fsdp as torch_fsdp
 # torch's own classes, taken once at import (see policies.py for why not at call time).
 _TORCH_FSDP_MODULE = torch_fsdp.FSDPModule
 
+from fullshard.core.units import configure, distinct_states
 from fullshard.plan.strategy import AfterBackward
 from fullshard.torch.errors import DeepcopyError
 from fullshard.torch.state import ShardState
@@ -48,22 +49,11 @@ class FSDPModule(torch_fsdp.FSDPModule):
     _orig_cls_mro_index = 3
 
     def _fullshard_states(self, recurse: bool) -> list[ShardState]:
-        modules = self.modules() if recurse else [self]
-        seen, states = set(), []
-        for module in modules:
-            state = getattr(module, "_fullshard_state", None)
-            if state is not None and id(state) not in seen:
-                seen.add(id(state))
-                states.append(state)
-        return states
+        return distinct_states(self.modules() if recurse else [self])
 
     def _configure(self, recurse: bool, part: str, **values: Any) -> None:
         """Set ``values`` on one part ("group", "unsharder" or "reducer") of every group in reach."""
-        for state in self._fullshard_states(recurse):
-            if state.group is not None:
-                target = state.group if part == "group" else getattr(state.group, part)
-                for name, value in values.items():
-                    setattr(target, name, value)
+        configure(self._fullshard_states(recurse), part, values)
 
     def unshard(self, async_op: bool = False) -> Optional[UnshardHandle]:
         """All-gather this module's parameters now (e.g. to prefetch); they stay until ``reshard()``."""

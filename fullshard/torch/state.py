@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import threading
 import weakref
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 import torch
 import torch.nn as nn
@@ -30,6 +30,7 @@ from torch.distributed.tensor import DTensor
 from torch.profiler import record_function
 
 from fullshard.core.phases import TrainingPhase
+from fullshard.core.units import RootedUnit
 from fullshard.plan.strategy import AfterBackward, Lifecycle, Strategy, lifecycle
 from fullshard.torch import checks
 from fullshard.torch.group import ParamGroup
@@ -65,7 +66,7 @@ class _PostBackward(torch.autograd.Function):
         return (None, *grads)
 
 
-class ShardState:
+class ShardState(RootedUnit):
     def __init__(
         self,
         modules: list[nn.Module],
@@ -103,12 +104,8 @@ class ShardState:
         return lifecycle(self.strategy, bool(self.is_root), self._reshard_after_forward)
 
     @property
-    def reshard_after_forward(self) -> bool:
-        return self.lifecycle.reshard_after_forward
-
-    @reshard_after_forward.setter
-    def reshard_after_forward(self, value: bool) -> None:
-        self._reshard_after_forward = value
+    def groups(self) -> list[ParamGroup]:
+        return [self.group] if self.group is not None else []
 
     @property
     def reduces_at_end_of_backward(self) -> bool:
@@ -142,34 +139,18 @@ class ShardState:
                 if isinstance(value, torch.Tensor) and not isinstance(value, DTensor) and value.shape == param.spec.shape:
                     state_dict[key] = param.full_to_sharded(value)
 
-    # ------------------------------------------------------------------ lazy init
-    def _lazy_init_as_root(self) -> RootContext:
-        if self.context is not None:
-            return self.context
-        context = RootContext(self)
-        self.context, self.is_root = context, True
-        for module in self.modules:
-            for name, sub in module.named_modules():
-                state = getattr(sub, "_fullshard_state", None)
-                if state is not None and state not in context.states:
-                    context.adopt(name, state)  # also takes over a unit that ran alone before
-        try:
-            context.check_ranks_agree()
-        except Exception:
-            for state in context.states:  # undone: the next forward checks again
-                state.context, state.is_root = None, None
-            raise
-        return context
+    # ------------------------------------------------------------------ lazy init (core.units.RootedUnit)
+    def _new_root_context(self) -> RootContext:
+        return RootContext(self)
 
-    def _ensure_context(self) -> RootContext:
-        """A unit outside its root's modules (called from the root's forward) joins the active root."""
-        if self.context is None:
-            root = _active_root()
-            if root is not None and root.context is not None:
-                root.context.adopt("", self)
-            else:
-                self._lazy_init_as_root()
-        return self.context
+    def _named_submodules(self) -> Iterator[tuple[str, nn.Module]]:
+        for index, module in enumerate(self.modules):
+            prefix = f"[{index}]." if len(self.modules) > 1 else ""
+            for name, sub in module.named_modules():
+                yield (f"{prefix}{name}" if name else prefix.rstrip(".")), sub
+
+    def _active_root(self) -> Optional["ShardState"]:
+        return _active_root()
 
     # ------------------------------------------------------------------ forward
     def _pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
