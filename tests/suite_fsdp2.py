@@ -424,6 +424,37 @@ def kept_gathered_after_synced_backward():
     return gathers
 
 
+def compiled_model_trains_like_the_reference():
+    """torch.compile over a sharded model (FSDP2's compile tests do this): the modules' forwards are
+    traced, fullshard's hooks run eagerly between the graphs; losses and parameters match."""
+    mesh = mesh_1d()
+    torch.manual_seed(0)
+    reference = Stack()
+    model = copy.deepcopy(reference)
+    for layer in model.layers:
+        fully_shard(layer, mesh=mesh, reshard_after_forward=2)  # as in FSDP2's compile test
+    fully_shard(model, mesh=mesh)
+    compiled = torch.compile(model, backend="aot_eager")  # traced like inductor, without a C++ build
+    opt, ref_opt = torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.SGD(reference.parameters(), lr=0.1)
+    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    losses = []
+    for step in range(3):
+        x, y = _stack_batch(step, 4)
+        loss = _mse(compiled, (x.chunk(world)[rank], y.chunk(world)[rank]))
+        loss.backward()
+        ref_loss = _mse(reference, (x, y))
+        ref_loss.backward()
+        opt.step(), ref_opt.step()
+        opt.zero_grad(), ref_opt.zero_grad()
+        mean = loss.detach().clone()
+        torch.distributed.all_reduce(mean)
+        torch.testing.assert_close(mean / world, ref_loss.detach(), rtol=1e-5, atol=1e-6)
+        losses.append(float(ref_loss))
+    for p, r in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(p.full_tensor(), r, rtol=1e-5, atol=1e-6)
+    return losses
+
+
 def suite():
     return {
         "registration_follows_fsdp2": registration_follows_fsdp2,
@@ -436,4 +467,5 @@ def suite():
         "replicate_over_fully_shard_units": replicate_over_fully_shard_units,
         "freezing_after_fully_shard_is_followed": freezing_after_fully_shard_is_followed,
         "kept_gathered_after_synced_backward": kept_gathered_after_synced_backward,
+        "compiled_model_trains_like_the_reference": compiled_model_trains_like_the_reference,
     }

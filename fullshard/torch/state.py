@@ -95,9 +95,12 @@ class ShardState(RootedUnit):
         for module in modules:
             module.register_state_dict_pre_hook(self._before_state_dict)
             module.register_load_state_dict_pre_hook(self._before_load_state_dict)
-            module.register_forward_pre_hook(self._pre_forward, prepend=True, with_kwargs=True)
+            # torch.compile traces the module's own forward and leaves the hooks to run eagerly
+            # (a graph break at each unit's edges): they issue collectives, wait on them and swap
+            # registered parameters, none of which belongs in a traced graph.
+            module.register_forward_pre_hook(torch.compiler.disable(self._pre_forward), prepend=True, with_kwargs=True)
             # always_call: a forward that raises still restores the root marker
-            module.register_forward_hook(self._post_forward, prepend=False, always_call=True)
+            module.register_forward_hook(torch.compiler.disable(self._post_forward), prepend=False, always_call=True)
 
     @property
     def lifecycle(self) -> Lifecycle:
