@@ -217,7 +217,7 @@ def train(args) -> int:
     if cfg.framework == "mindspore":
         from fullshard.train.worker_mindspore import reference_losses
 
-        print(f"fullshard train (mindspore): {args.nproc} msrun workers, model {cfg.model}, strategy {cfg.strategy}, "
+        print(f"fullshard train: {args.nproc} msrun workers (mindspore), model {cfg.model}, strategy {cfg.strategy}, "
               f"{cfg.mixed_precision}, {cfg.steps} steps -> {cfg.out_dir}", flush=True)
         results = _launch_mindspore(cfg, args.nproc)
     elif "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # under torchrun: this process is one rank

@@ -77,9 +77,9 @@ def format_table(summary: dict) -> str:
     mem, traffic = theory["memory"], theory["traffic"]
     framework = summary.get("framework", "torch")
     lines = [
-        f"fullshard train ({framework}): {summary['config']['hf_config'] or summary['config']['model'] + ' GPT'}, "
+        f"fullshard train: {summary['config']['hf_config'] or summary['config']['model'] + ' GPT'}, "
         f"{theory['num_params'] / 1e6:.2f}M params, "
-        f"{summary['world_size']} ranks, strategy {summary['config']['strategy']}, "
+        f"{summary['world_size']} ranks ({framework}), strategy {summary['config']['strategy']}, "
         f"{summary['config']['mixed_precision']}",
         f"  train loss   {summary['train_loss'][0]:.4f} -> {summary['train_loss'][-1]:.4f}   "
         f"val loss {summary['val_loss']:.4f}   {summary['tokens_per_s']:.0f} tok/s (all ranks)",
