@@ -3,7 +3,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from fullshard.core.units import STATE_ATTR, BucketNames, RootedUnit, configure, distinct_states, owners_of_params
+from fullshard.core.units import (
+    STATE_ATTR, BucketNames, RootedUnit, configure, distinct_states, named_under, owners_of_params,
+)
 
 
 class Node:
@@ -129,3 +131,13 @@ def test_bucket_names_follow_the_root_paths():
     assert plan.labels[1] == "[layers.3.b.weight] of cell 'layers.3'"
     plan.rename("")  # the root itself: names stay
     assert plan.module_name == "layers.3"
+
+
+def test_named_under_prefixes_several_tops_as_parameter_paths_are():
+    def named(top):
+        yield "", top
+        yield "child", f"{top}.child"
+
+    assert list(named_under(["a"], named)) == [("", "a"), ("child", "a.child")]
+    assert list(named_under(["a", "b"], named)) == [("[0]", "a"), ("[0].child", "a.child"),
+                                                   ("[1]", "b"), ("[1].child", "b.child")]

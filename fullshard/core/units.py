@@ -50,6 +50,15 @@ def owners_of_params(
     return owners, params
 
 
+def named_under(tops: list[Any], named_modules: Callable[[Any], Named]) -> Named:
+    """(path, module) of every module under ``tops``, each top included; with several tops (one group of
+    several modules), paths start with ``[i].`` as parameter paths do."""
+    for index, top in enumerate(tops):
+        prefix = f"[{index}]." if len(tops) > 1 else ""
+        for name, sub in named_modules(top):
+            yield (f"{prefix}{name}" if name else prefix.rstrip(".")), sub
+
+
 def distinct_states(modules: Iterable[Any]) -> list[Any]:
     """The units of ``modules``, each once, in order (a group of several modules has one state)."""
     seen, states = set(), []

@@ -22,7 +22,7 @@ from typing import Any, Iterator, Optional
 from mindspore import Tensor, nn
 
 from fullshard.core.phases import TrainingPhase
-from fullshard.core.units import RootedUnit
+from fullshard.core.units import RootedUnit, named_under
 from fullshard.core.trees import map_leaves
 from fullshard.mindspore.autograd import recording
 from fullshard.mindspore.group import ParamGroup
@@ -84,10 +84,7 @@ class ShardState(RootedUnit):
         return RootContext(self)
 
     def _named_submodules(self) -> Iterator[tuple[str, nn.Cell]]:
-        for index, cell in enumerate(self.cells):
-            prefix = f"[{index}]." if len(self.cells) > 1 else ""
-            for name, sub in cell.cells_and_names():
-                yield (f"{prefix}{name}" if name else prefix.rstrip(".")), sub
+        return named_under(self.cells, nn.Cell.cells_and_names)
 
     def _active_root(self) -> Optional["ShardState"]:
         return _active_root()

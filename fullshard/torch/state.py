@@ -30,7 +30,7 @@ from torch.distributed.tensor import DTensor
 from torch.profiler import record_function
 
 from fullshard.core.phases import TrainingPhase
-from fullshard.core.units import RootedUnit
+from fullshard.core.units import RootedUnit, named_under
 from fullshard.plan.strategy import AfterBackward, Lifecycle, Strategy, lifecycle
 from fullshard.torch import checks
 from fullshard.torch.group import ParamGroup
@@ -147,10 +147,7 @@ class ShardState(RootedUnit):
         return RootContext(self)
 
     def _named_submodules(self) -> Iterator[tuple[str, nn.Module]]:
-        for index, module in enumerate(self.modules):
-            prefix = f"[{index}]." if len(self.modules) > 1 else ""
-            for name, sub in module.named_modules():
-                yield (f"{prefix}{name}" if name else prefix.rstrip(".")), sub
+        return named_under(self.modules, nn.Module.named_modules)
 
     def _active_root(self) -> Optional["ShardState"]:
         return _active_root()
