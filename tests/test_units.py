@@ -1,4 +1,5 @@
 """fullshard.core.units: what both runtimes' units share, on plain Python objects (no framework)."""
+import threading
 from types import SimpleNamespace
 
 import pytest
@@ -54,8 +55,10 @@ def test_distinct_states_once_each_in_order_and_configure_reaches_every_group():
 
 
 class Context:
-    def __init__(self, root, agree=True):
-        self.states, self.agree = [root], agree
+    agree = True
+
+    def __init__(self, root):
+        self.states = [root]
 
     def adopt(self, name, state):
         state.context, state.is_root, state.adopted_as = self, False, name
@@ -67,23 +70,16 @@ class Context:
 
 
 class Unit(RootedUnit):
-    agree = True
-    active = None
+    root_context, active = Context, threading.local()
 
     def __init__(self, *subunits):
         self.context, self.is_root, self._reshard_after_forward = None, None, None
         self.subunits = subunits
 
-    def _new_root_context(self):
-        return Context(self, self.agree)
-
     def _named_submodules(self):
         yield "", SimpleNamespace(**{STATE_ATTR: self})
         for index, sub in enumerate(self.subunits):
             yield f"layers.{index}", SimpleNamespace(**{STATE_ATTR: sub})
-
-    def _active_root(self):
-        return Unit.active
 
 
 def test_the_root_adopts_the_units_below_it_by_path_and_a_late_unit_joins_the_active_root():
@@ -94,11 +90,11 @@ def test_the_root_adopts_the_units_below_it_by_path_and_a_late_unit_joins_the_ac
     assert (layer0.adopted_as, layer1.adopted_as, layer1.is_root) == ("layers.0", "layers.1", False)
     assert root._lazy_init_as_root() is context  # once
     outside = Unit()
-    Unit.active = root
+    Unit.active.root = root
     try:
         assert outside._ensure_context() is context and outside.adopted_as == ""
     finally:
-        Unit.active = None
+        Unit.active.root = None
     alone = Unit()
     assert alone._ensure_context() is not context and alone.is_root  # no root running: its own root
 
@@ -106,7 +102,11 @@ def test_the_root_adopts_the_units_below_it_by_path_and_a_late_unit_joins_the_ac
 def test_a_failed_rank_agreement_undoes_the_adoption():
     layer = Unit()
     root = Unit(layer)
-    root.agree = False
+
+    class Disagreeing(Context):
+        agree = False
+
+    root.root_context = Disagreeing
     with pytest.raises(RuntimeError, match="disagree"):
         root._lazy_init_as_root()
     assert (root.context, root.is_root, layer.context, layer.is_root) == (None, None, None, None)

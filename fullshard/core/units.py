@@ -82,24 +82,19 @@ def configure(states: Iterable[Any], part: str, values: dict[str, Any]) -> None:
 class RootedUnit:
     """How a unit finds its root: the root's first forward adopts every unit below it.
 
-    A runtime's unit state subclasses this and provides ``context``,
-    ``is_root``, ``lifecycle`` and ``_reshard_after_forward`` attributes and the
-    three methods below that raise ``NotImplementedError``.
+    A runtime's unit state subclasses this, sets the two class attributes and
+    provides ``context``, ``is_root``, ``lifecycle``, ``_reshard_after_forward``
+    and :meth:`_named_submodules`.
     """
 
+    root_context: type  # the runtime's RootContext: RootContext(root_state)
+    active: Any  # a threading.local; ``.root``: the root whose forward runs in this thread
     context: Optional[Any]
     is_root: Optional[bool]
     _reshard_after_forward: Optional[bool]
 
-    def _new_root_context(self) -> Any:
-        raise NotImplementedError
-
     def _named_submodules(self) -> Named:
-        """(path, module) of every module under this unit's, itself included."""
-        raise NotImplementedError
-
-    def _active_root(self) -> Optional["RootedUnit"]:
-        """The root whose forward is running in this thread, if any."""
+        """(path, module) of every module under this unit's, itself included (see :func:`named_under`)."""
         raise NotImplementedError
 
     @property
@@ -113,7 +108,7 @@ class RootedUnit:
     def _lazy_init_as_root(self) -> Any:
         if self.context is not None:
             return self.context
-        context = self._new_root_context()
+        context = self.root_context(self)
         self.context, self.is_root = context, True
         for name, sub in self._named_submodules():
             state = getattr(sub, STATE_ATTR, None)
@@ -130,7 +125,7 @@ class RootedUnit:
     def _ensure_context(self) -> Any:
         """A unit outside its root's modules (called from the root's forward) joins the active root."""
         if self.context is None:
-            root = self._active_root()
+            root = getattr(self.active, "root", None)
             if root is not None and root.context is not None:
                 root.context.adopt("", self)
             else:

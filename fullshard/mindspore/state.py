@@ -38,6 +38,8 @@ def _active_root() -> Optional["ShardState"]:
 
 
 class ShardState(RootedUnit):
+    root_context, active = RootContext, _active
+
     def __init__(
         self,
         cells: list[nn.Cell],
@@ -80,14 +82,8 @@ class ShardState(RootedUnit):
         return ", ".join(type(c).__name__ for c in self.cells)
 
     # ------------------------------------------------------------------ lazy init (core.units.RootedUnit)
-    def _new_root_context(self) -> RootContext:
-        return RootContext(self)
-
     def _named_submodules(self) -> Iterator[tuple[str, nn.Cell]]:
         return named_under(self.cells, nn.Cell.cells_and_names)
-
-    def _active_root(self) -> Optional["ShardState"]:
-        return _active_root()
 
     # ------------------------------------------------------------------ forward
     def _pre_forward(self, cell: nn.Cell, args: tuple, kwargs: dict) -> tuple[tuple, dict]:

@@ -67,6 +67,8 @@ class _PostBackward(torch.autograd.Function):
 
 
 class ShardState(RootedUnit):
+    root_context, active = RootContext, _active
+
     def __init__(
         self,
         modules: list[nn.Module],
@@ -143,14 +145,8 @@ class ShardState(RootedUnit):
                     state_dict[key] = param.full_to_sharded(value)
 
     # ------------------------------------------------------------------ lazy init (core.units.RootedUnit)
-    def _new_root_context(self) -> RootContext:
-        return RootContext(self)
-
     def _named_submodules(self) -> Iterator[tuple[str, nn.Module]]:
         return named_under(self.modules, nn.Module.named_modules)
-
-    def _active_root(self) -> Optional["ShardState"]:
-        return _active_root()
 
     # ------------------------------------------------------------------ forward
     def _pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
