@@ -73,7 +73,7 @@ class Unit(RootedUnit):
     root_context, active = Context, threading.local()
 
     def __init__(self, *subunits):
-        self.context, self.is_root, self._reshard_after_forward = None, None, None
+        super().__init__(mp_policy=None, strategy=None, reshard_after_forward=None)
         self.subunits = subunits
 
     def _named_submodules(self):

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from typing import Any, Callable, Iterable, Optional
 
+from fullshard.core.phases import TrainingPhase
+
 STATE_ATTR = "_fullshard_state"
 
 Named = Iterable[tuple[str, Any]]
@@ -83,15 +85,26 @@ class RootedUnit:
     """How a unit finds its root: the root's first forward adopts every unit below it.
 
     A runtime's unit state subclasses this, sets the two class attributes and
-    provides ``context``, ``is_root``, ``lifecycle``, ``_reshard_after_forward``
-    and :meth:`_named_submodules`.
+    provides ``lifecycle`` and :meth:`_named_submodules`; ``__init__`` holds the
+    state every unit has, whatever its framework.
     """
 
     root_context: type  # the runtime's RootContext: RootContext(root_state)
     active: Any  # a threading.local; ``.root``: the root whose forward runs in this thread
-    context: Optional[Any]
-    is_root: Optional[bool]
-    _reshard_after_forward: Optional[bool]
+    def __init__(self, mp_policy: Any, strategy: Any, reshard_after_forward: Optional[bool]) -> None:
+        self.mp_policy = mp_policy
+        self.strategy = strategy
+        self._reshard_after_forward = reshard_after_forward
+        self.phase = TrainingPhase.IDLE
+        self.is_root = None
+        self.context = None  # the root's, once a root forward ran
+        # Explicit prefetch targets (set_modules_to_*_prefetch); empty: the implicit
+        # neighbour in the order the root recorded during its first forward.
+        self.forward_prefetch: list[Any] = []
+        self.backward_prefetch: list[Any] = []
+        self._forward_done: set[int] = set()  # modules of this unit whose forward ran in this pass
+        # Forwards since the last end of backward whose outputs need a gradient: their backward is to come.
+        self.forwards_with_grad = 0
 
     def _named_submodules(self) -> Named:
         """(path, module) of every module under this unit's, itself included (see :func:`named_under`)."""

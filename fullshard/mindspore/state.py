@@ -48,20 +48,11 @@ class ShardState(RootedUnit):
         reshard_after_forward: Optional[bool],
         strategy: Strategy,
     ) -> None:
+        super().__init__(mp_policy, strategy, reshard_after_forward)
         self.cells = cells
         self.groups = groups  # the sharded parameters' group and/or the replicated ones'
-        self.mp_policy = mp_policy
-        self.strategy = strategy
-        self._reshard_after_forward = reshard_after_forward
-        self.phase = TrainingPhase.IDLE
-        self.is_root: Optional[bool] = None
-        self.context: Optional[RootContext] = None  # the root's, once a root forward ran
-        self.forward_prefetch: list[ShardState] = []
-        self.backward_prefetch: list[ShardState] = []
-        self._forward_done: set[int] = set()  # cells of this unit whose forward ran in this pass
         self._recorded = False  # this pass's forward is recorded for a gradient
-        self.forwards_with_grad = 0  # recorded forwards whose backward is still to come
-        self.pending_bprops = 0  # bucket bprops still to come for them
+        self.pending_bprops = 0  # bucket bprops still to come for the recorded forwards
         for group in groups:
             group.on_bucket_reduced = self._on_bucket_reduced
         for cell in cells:

@@ -77,21 +77,9 @@ class ShardState(RootedUnit):
         reshard_after_forward: Optional[bool],
         strategy: Strategy,
     ) -> None:
+        super().__init__(mp_policy, strategy, reshard_after_forward)
         self.modules = modules
         self.group = group
-        self.mp_policy = mp_policy
-        self.strategy = strategy
-        self._reshard_after_forward = reshard_after_forward
-        self.phase = TrainingPhase.IDLE
-        self.is_root: Optional[bool] = None
-        self.context: Optional[RootContext] = None  # the root's, once a root forward ran
-        # Explicit prefetch targets (set_modules_to_*_prefetch); empty: the implicit
-        # neighbour in the order the root recorded during its first forward.
-        self.forward_prefetch: list[ShardState] = []
-        self.backward_prefetch: list[ShardState] = []
-        self._forward_done: set[int] = set()  # modules of this group whose forward ran in this pass
-        # Forwards since the last end of backward whose outputs need a gradient: their backward is to come.
-        self.forwards_with_grad = 0
         if group is not None:
             group.reducer.on_grad = self._on_grad
         for module in modules:
