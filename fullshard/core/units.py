@@ -91,6 +91,7 @@ class RootedUnit:
 
     root_context: type  # the runtime's RootContext: RootContext(root_state)
     active: Any  # a threading.local; ``.root``: the root whose forward runs in this thread
+
     def __init__(self, mp_policy: Any, strategy: Any, reshard_after_forward: Optional[bool]) -> None:
         self.mp_policy = mp_policy
         self.strategy = strategy
