@@ -392,6 +392,12 @@ def _worker(local_rank: int, options: dict) -> None:
             print(f"wrote {json_path} and {md_path}", flush=True)
     finally:
         dist.destroy_process_group()
+    # Everything is measured and written. kineto (the profiler behind the memory phase) sometimes
+    # aborts a process in its exit-time destructors ("terminate called without an active exception",
+    # SIGABRT) when the interpreter shuts down: leave without them.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _init(local_rank: int, options: dict, meter: CollectiveMeter) -> Run:
