@@ -455,6 +455,40 @@ def compiled_model_trains_like_the_reference():
     return losses
 
 
+def non_contiguous_parameters_train_like_the_reference():
+    """FSDP2 refuses a non-contiguous parameter (NotImplementedError); fullshard takes it: its shard is a
+    contiguous copy of its chunk, and training matches the reference (docs/fsdp2-compatibility.md)."""
+    mesh = mesh_1d()
+    torch.manual_seed(0)
+    reference = Stack()
+    for layer in reference.layers:  # the transpose of a contiguous tensor: same values' layout, strides (1, 8)
+        layer.weight = nn.Parameter(layer.weight.detach().t().contiguous().t())
+    assert not reference.layers[0].weight.is_contiguous()
+    model = copy.deepcopy(reference)
+    assert not model.layers[0].weight.is_contiguous()
+    for layer in model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt, ref_opt = torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.SGD(reference.parameters(), lr=0.1)
+    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    losses = []
+    for step in range(3):
+        x, y = _stack_batch(step, 4)
+        loss = _mse(model, (x.chunk(world)[rank], y.chunk(world)[rank]))
+        loss.backward()
+        ref_loss = _mse(reference, (x, y))
+        ref_loss.backward()
+        opt.step(), ref_opt.step()
+        opt.zero_grad(), ref_opt.zero_grad()
+        mean = loss.detach().clone()
+        torch.distributed.all_reduce(mean)
+        torch.testing.assert_close(mean / world, ref_loss.detach(), rtol=1e-5, atol=1e-6)
+        losses.append(float(ref_loss))
+    for p, r in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(p.full_tensor(), r, rtol=1e-5, atol=1e-6)
+    return losses
+
+
 def suite():
     return {
         "registration_follows_fsdp2": registration_follows_fsdp2,
@@ -468,4 +502,5 @@ def suite():
         "freezing_after_fully_shard_is_followed": freezing_after_fully_shard_is_followed,
         "kept_gathered_after_synced_backward": kept_gathered_after_synced_backward,
         "compiled_model_trains_like_the_reference": compiled_model_trains_like_the_reference,
+        "non_contiguous_parameters_train_like_the_reference": non_contiguous_parameters_train_like_the_reference,
     }
