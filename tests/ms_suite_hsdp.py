@@ -80,8 +80,11 @@ def hsdp_clip_grad_norm():
 
 
 def suite():
+    from tests.ms_suite_ownership import hsdp_aliasing_scenarios
+
     return {
         "hsdp_parity": hsdp_parity,
         "hsdp_partial_sums": hsdp_partial_sums,
         "hsdp_clip_grad_norm": hsdp_clip_grad_norm,
+        **hsdp_aliasing_scenarios(),
     }

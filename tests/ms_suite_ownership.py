@@ -50,8 +50,8 @@ def observe():
         seen["borrowed"].append(what)
         return borrow(tensor, what)
 
-    def adopt_and_record(tensor, what, working=False):
-        owned = adopt(tensor, what, working)
+    def adopt_and_record(tensor, what, sources, kind=buffers.Kind.TRANSIENT):
+        owned = adopt(tensor, what, sources, kind)
         seen["adopted"].append(owned)
         return owned
 
@@ -85,12 +85,20 @@ def seed_path():
     borrows the gradient (even dim 0), autograd's storage is the reduction's input and is never freed or
     written; where it must pack (padding), the packed buffer is owned and reclaimed."""
     mp = fs.MixedPrecisionPolicy(reduce_dtype=ms.float32, apply_grad_on_fp32_main_grad=True)
+    gc.collect()
+    before = fs.comm_bytes()
     net = init_numpy(TinyLM())
     wrap_layers(net, mp_policy=mp, strategy="optim_grads_params", comm_fusion=False)
     reference = init_numpy(TinyLM())
     with observe() as seen:
         _, grads = _step(net)
     _assert_caller_grads_intact(seen)
+    # Between steps only the fp32 main grads stay, counted as such: no communication memory, no unsharded copy.
+    after = fs.comm_bytes()
+    main_grads = sum(4 * p.size for p in net.trainable_params())
+    assert after["main_grad_live"] - before["main_grad_live"] == main_grads, (after, before, main_grads)
+    assert after["transient_live"] == before["transient_live"] and after["working_live"] == before["working_live"]
+    assert fs.memory_report(net)["measured"]["main_grad"] - before["main_grad_live"] == main_grads
     _, ref_grads = ms.value_and_grad(lambda: lm_loss(reference, *lm_batch(0, 4)), None, reference.trainable_params())()
     for param, grad, ref in zip(net.trainable_params(), grads, ref_grads):
         assert_close(grad.asnumpy(), shard_of(ref.asnumpy(), param), param.name)
@@ -101,25 +109,32 @@ def seed_path():
     return {"borrowed_reduce_inputs": len(borrowed), "packed_reduce_inputs": len(packed)}
 
 
+def _adoption_error(tensor, what, sources) -> str:
+    try:
+        buffers.adopt(tensor, what, sources)
+    except fs.OwnershipError as error:
+        return str(error)
+    raise AssertionError(f"adopting {what} must raise")
+
+
 def seed_bug_outside_bprop():
-    """The seed's bug as an adoption: a same-dtype cast-and-reshape of a borrowed gradient is not owned."""
+    """The seed's bug as an adoption: a same-dtype cast-and-reshape of a gradient is not owned. Caught twice
+    over: it is storage fullshard borrows, and it shares storage with the source the site names."""
     grad = ops.ones((8, 4), ms.float32) * 3
-    lent = buffers.borrow(grad, "gradient of [w] of cell 'm'")
     aliased = grad.astype(ms.float32).reshape(-1)  # a new object over the caller's storage
     assert aliased.untyped_storage().data_ptr() == grad.untyped_storage().data_ptr(), "MindSpore aliases here"
-    try:
-        buffers.adopt(aliased, "reduce-scatter input of [w] of cell 'm'")
-    except fs.OwnershipError as error:
-        message = str(error)
-    else:
-        raise AssertionError("adopting borrowed storage as owned must raise")
+    what = "reduce-scatter input of [w] of cell 'm'"
+    from_source = _adoption_error(aliased, what, (grad,))  # nothing registered: the source alone catches it
+    assert what in from_source and "shares storage with what it was made from" in from_source, from_source
+    lent = buffers.borrow(grad, "gradient of [w] of cell 'm'")
+    message = _adoption_error(aliased, what, ())  # no source named: the borrowed registry catches it
     assert "gradient of [w] of cell 'm'" in message and "reduce-scatter input of [w]" in message, message
     assert grad.untyped_storage().nbytes() == 8 * 4 * 4 and float(grad.asnumpy().sum()) == 96.0
-    real = buffers.adopt(grad.astype(ms.float16), "fp16 copy")  # another dtype allocates: owned
+    real = buffers.adopt(grad.astype(ms.float16), "fp16 copy", (grad,))  # another dtype allocates: owned
     real.reclaim()
     lent.release()
     assert grad.untyped_storage().nbytes() == 128
-    return {"error": message}
+    return {"error": message, "from_source": from_source}
 
 
 def concatenated_params():
@@ -352,8 +367,129 @@ def traffic_vs_theory():
             "emulated_sent_per_rank": emulated}
 
 
+@contextlib.contextmanager
+def aliasing_at(site: str):
+    """Re-introduce the seed's bug at one site: what it adopts as owned (``what`` starting with ``site``) is the
+    storage it was made from; or, for the copies it hands out, the copy is left out. The site's own ``what``
+    and ``sources`` reach the real ownership check."""
+    from fullshard.mindspore import collectives, grads
+
+    adopt, finish, unpack = buffers.adopt, grads.finish_grad, collectives.unpack_member
+    hits = []
+
+    def aliasing_adopt(tensor, what, sources, kind=buffers.Kind.TRANSIENT):
+        victims = [t for t in sources if t is not None and t.size]
+        if what.startswith(site) and victims:
+            hits.append(what)
+            tensor = victims[0]
+        return adopt(tensor, what, sources, kind)
+
+    def uncopied_grad(local, plan, divide_factor, stored_dtype):
+        hits.append(site)
+        return local, local  # the view of the reduced buffer itself
+
+    def uncopied_member(flat, bucket, index, param):
+        hits.append(site)
+        return flat
+
+    buffers.adopt = aliasing_adopt
+    if site == "sharded gradient of":
+        grads.finish_grad = uncopied_grad
+    if site == "full '":
+        collectives.unpack_member = uncopied_member
+    try:
+        yield hits
+    finally:
+        buffers.adopt, grads.finish_grad, collectives.unpack_member = adopt, finish, unpack
+
+
+def drive_gathers(net):
+    for state in _states(net):
+        for group in state.groups:
+            group.unsharder.unshard()
+
+
+def drive_reductions(net, sync: bool = True):
+    """Each bucket's bprop code, called directly (outside autograd: an exception raised inside a MindSpore bprop
+    may leave the process unusable), with gradients of ones."""
+    for state in _states(net):
+        for group in state.groups:
+            group.reducer.reduce_grads = group.reducer.all_reduce_grads = sync
+            for index in range(len(group.plan.buckets)):
+                members = group.plan.members(index)
+                group.reducer.reduce(index, tuple(ops.ones(p.layout.shape, p.compute_dtype) for p in members))
+
+
+def _states(net):
+    seen, states = set(), []
+    for _, cell in net.cells_and_names():
+        state = getattr(cell, "_fullshard_state", None)
+        if state is not None and id(state) not in seen:
+            seen.add(id(state))
+            states.append(state)
+    return states
+
+
+# site (the start of what the buffer is called) -> (fully_shard arguments, what to drive)
+SITES = {
+    "all-gather input of": ({}, drive_gathers),  # the embedding's 7 rows are padded: packed
+    "all-gather output of": ({}, drive_gathers),  # padded: copied out of it
+    "unsharded parameter '": ({}, drive_gathers),  # even dim 0: the output itself
+    "float16 copy of replica": ({"strategy": "no_shard", "mp_policy": "fp16"}, drive_gathers),
+    "full '": ({}, fs.full_state_dict),
+    "reduce-scatter input of": ({}, drive_reductions),  # padded gradients are packed
+    "reduced gradient of": ({}, drive_reductions),
+    "sharded gradient of": ({}, drive_reductions),  # divided out of the reduced buffer, which is freed
+    "gradient accumulator of": ({}, lambda net: drive_reductions(net, sync=False)),
+}
+HSDP_SITES = {
+    "zero-filled all-gather buffer of": ({}, drive_gathers),  # a sub-group gather on mccl
+    "widened all-gather input of": ({"bf16": True}, drive_gathers),  # bf16 summed as fp32 on the wire
+    "partial gradient sum of": ({}, drive_reductions),
+    "replica-summed gradient of": ({}, drive_reductions),
+}
+
+
+def _caught_at(site: str, kwargs: dict, drive, mesh=None):
+    def scenario():
+        kwargs_ = dict(kwargs)
+        net = init_numpy(TinyLM())
+        if kwargs_.pop("bf16", False):
+            for param in net.get_parameters():
+                param.set_dtype(ms.bfloat16)
+        if kwargs_.get("mp_policy") == "fp16":
+            kwargs_["mp_policy"] = fs.MixedPrecisionPolicy(param_dtype=ms.float16)
+        if mesh is not None:
+            kwargs_["mesh"] = mesh()
+        wrap_layers(net, **kwargs_)
+        names = {p.name for p in net.get_parameters()}
+        with aliasing_at(site) as hits:
+            try:
+                drive(net)
+            except fs.OwnershipError as error:
+                message = str(error)
+            else:
+                raise AssertionError(f"an aliasing {site!r} was not caught (reached {len(hits)} times)")
+        assert hits and site in message, message
+        assert any(name in message for name in names), f"no parameter named: {message}"
+        net.reset_iter_state()
+        return message.split(":")[0]
+
+    return scenario
+
+
+def aliasing_scenarios() -> dict:
+    return {f"aliasing_caught_at[{site}]": _caught_at(site, *how) for site, how in SITES.items()}
+
+
+def hsdp_aliasing_scenarios() -> dict:
+    mesh = lambda: fs.init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))  # noqa: E731
+    return {f"aliasing_caught_at[{site}]": _caught_at(site, *how, mesh=mesh) for site, how in HSDP_SITES.items()}
+
+
 def suite():
     return {
+        **aliasing_scenarios(),
         "seed_path": seed_path,
         "seed_bug_outside_bprop": seed_bug_outside_bprop,
         "concatenated_ownership": concatenated_params,

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import os
 import weakref
 
 import torch
@@ -18,6 +19,8 @@ from torch.distributed.tensor import Shard
 import fullshard.torch.group_plan as group_module
 from fullshard import MixedPrecisionPolicy, fully_shard
 from fullshard.torch import buffers
+from fullshard.plan import Unsharded
+from fullshard.plan.exchange import EXCHANGE_ENV
 from fullshard.torch.param import ShardedParam
 from tests.parity import mesh_1d, run_parity
 
@@ -216,12 +219,197 @@ def padding_path_reclaims_its_buffers():
     return live[-1]
 
 
+def no_shard_tensor_subclass():
+    """no_shard with tensor-subclass parameters (TwoTensor): the replica is what the module computes with,
+    borrowed (plan_replica), so training matches the unsharded subclass model and an explicit reshard()
+    frees none of the replica's storage (the review's case: a subclass ``to()`` returned the replica itself,
+    taken as an owned copy and resized)."""
+    from torch.testing._internal.two_tensor import TwoTensor
+
+    def build():
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 8, bias=False), nn.Linear(8, 4, bias=False))
+        for layer in model:
+            layer.weight = nn.Parameter(TwoTensor(layer.weight.detach(), layer.weight.detach().clone()))
+        return model
+
+    reference, model = build(), build()
+    for layer in model:
+        fully_shard(layer, mesh=mesh_1d(), strategy="no_shard")
+    fully_shard(model, mesh=mesh_1d(), strategy="no_shard")
+    world = dist.get_world_size()
+    torch.manual_seed(7 + dist.get_rank())
+    x = torch.randn(2, 8)
+    for _ in range(3):
+        ref_loss, loss = reference(x).sum(), model(x).sum()
+        torch.testing.assert_close(loss, ref_loss)
+        ref_loss.backward()
+        loss.backward()
+        with torch.no_grad():
+            for ref_param, param in zip(reference.parameters(), model.parameters()):
+                dist.all_reduce(ref_param.grad)
+                torch.testing.assert_close(param.grad.to_local(), ref_param.grad.a / world)
+                ref_param -= 0.1 * ref_param.grad / world
+                param -= 0.1 * param.grad
+                ref_param.grad = param.grad = None
+    replicas = [p.to_local() for p in model.parameters()]
+    values = [(r.a.clone(), r.b.clone()) for r in replicas]
+    for layer in [*model, model]:
+        layer.unshard()
+        layer.reshard()
+    for replica, (a, b) in zip(replicas, values):
+        assert replica.a.untyped_storage().nbytes() == a.numel() * 4 and torch.equal(replica.a, a)
+        assert torch.equal(replica.b, b)
+    groups = [layer._fullshard_state.group for layer in model]
+    assert all(how is Unsharded.REPLICA for g in groups for how in g.plan.replica_plans)
+    return float(loss)
+
+
+def accumulators_are_counted_as_main_grad():
+    """bf16 gradients summed in fp32 while sync is off: the accumulators are main-gradient memory in the meter
+    and in memory_report, not communication memory, and they are gone once the synced backward reduced them."""
+    from fullshard.torch.accounting import memory_report
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    gc.collect()
+    torch.manual_seed(0)
+    model = MLP([7, 12, 5])
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for layer in model.layers:
+        fully_shard(layer, mesh=mesh_1d(), mp_policy=mp)
+    fully_shard(model, mesh=mesh_1d(), mp_policy=mp)
+    x, y = _batch_for(7, 5)(0, 4 * world)
+    before = buffers.comm_bytes()
+    model.set_requires_gradient_sync(False)
+    _mse(model, (x[4 * rank:4 * rank + 2].bfloat16(), y[4 * rank:4 * rank + 2].bfloat16())).backward()
+    held = buffers.comm_bytes()
+    full = sum(p.numel() for p in MLP([7, 12, 5]).parameters())
+    assert held["main_grad_live"] - before["main_grad_live"] == 4 * full, (held, before)
+    assert held["transient_live"] == before["transient_live"]
+    assert memory_report(model)["measured"]["main_grad"] - before["main_grad_live"] == 4 * full
+    model.set_requires_gradient_sync(True)
+    _mse(model, (x[4 * rank + 2:4 * rank + 4].bfloat16(), y[4 * rank + 2:4 * rank + 4].bfloat16())).backward()
+    assert buffers.comm_bytes()["main_grad_live"] == before["main_grad_live"]
+    return held["main_grad_live"] - before["main_grad_live"]
+
+
+@contextlib.contextmanager
+def aliasing_at(site: str):
+    """Re-introduce the seed's bug at one site: the buffer it makes (``what`` starting with ``site``) is the
+    storage it was made from. The site's own ``what`` and ``sources`` reach the real ownership check."""
+    allocate, copy = buffers.allocate, buffers._copy
+    hits = []
+
+    def aliasing_allocate(shape, dtype, device, what, kind=buffers.Kind.TRANSIENT, sources=()):
+        victims = [t for t in sources if t is not None and t.numel()]
+        if not (what.startswith(site) and victims):
+            return allocate(shape, dtype, device, what, kind, sources)
+        hits.append(what)
+        return buffers.Owned(victims[0], what, buffers.TORCH_STORAGE, kind, sources=sources)
+
+    def aliasing_copy(tensor, dtype, device, non_blocking):
+        hits.append(site)
+        return tensor  # a "copy" that is its input, as a same-dtype to() is
+
+    buffers.allocate = aliasing_allocate
+    if site == "sharded gradient of":
+        buffers._copy = aliasing_copy
+    try:
+        yield hits
+    finally:
+        buffers.allocate, buffers._copy = allocate, copy
+
+
+def _bf16_compute():
+    return {"mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)}
+
+
+def _collective_bf16():  # the pairwise exchange packs into its output instead: no input buffer of its own
+    return {**_bf16_compute(), "exchange": "collective"}
+
+
+# site (the start of the buffer's ``what``) -> how to reach it: fully_shard arguments (and the exchange),
+# micro-batches without sync
+SITES = {
+    "all-gather input of": (_collective_bf16, 1),  # a cast packs the input
+    "all-gather output of": (lambda: {}, 1),  # fused small parameters copy out of it
+    "unsharded [": (lambda: {"fuse": False}, 1),  # a lone parameter is a view of its output
+    "unsharded parameter '": (lambda: {}, 1),  # copied out of a fused output into storage of its own
+    "reduce-scatter input of": (lambda: {}, 1),  # padded gradients are packed
+    "reduce-scatter output of": (lambda: {}, 1),
+    "bfloat16 copy of replica": (lambda: {**_bf16_compute(), "strategy": "no_shard"}, 1),
+    "gradient accumulator of": (_bf16_compute, 2),  # bf16 gradients summed in fp32 while sync is off
+    "sharded gradient of": (lambda: {"shard_placement_fn": lambda p: Shard(p.dim() - 1)}, 1),  # copied out
+}
+FOUR_RANK_SITES = {
+    "reduce-scatter receive buffer of": (lambda: {}, 1),  # pairwise over 4 ranks: 2 scratch chunks
+    "post-forward chunks of": (lambda: {"reshard_after_forward": 2}, 1),
+}
+
+
+@contextlib.contextmanager
+def _exchange(name):
+    """FULLSHARD_EXCHANGE while groups are planned (on every rank alike)."""
+    saved = os.environ.get(EXCHANGE_ENV)
+    if name:
+        os.environ[EXCHANGE_ENV] = name
+    try:
+        yield
+    finally:
+        os.environ.pop(EXCHANGE_ENV, None)
+        if saved is not None:
+            os.environ[EXCHANGE_ENV] = saved
+
+
+def _caught_at(site: str, wrap_kwargs, micro_batches: int):
+    def scenario():
+        rank, world = dist.get_rank(), dist.get_world_size()
+        torch.manual_seed(0)
+        model = MLP([7, 12, 5])
+        names = {n for n, _ in model.named_parameters()}
+        kwargs = wrap_kwargs()
+        exchange, fuse = kwargs.pop("exchange", None), kwargs.pop("fuse", True)
+        saved_fuse = group_module.DEFAULT_FUSE_BELOW_NUMEL
+        group_module.DEFAULT_FUSE_BELOW_NUMEL = saved_fuse if fuse else 0
+        try:
+            with _exchange(exchange):
+                for layer in model.layers:
+                    fully_shard(layer, mesh=mesh_1d(), **kwargs)
+                fully_shard(model, mesh=mesh_1d(), **kwargs)
+        finally:
+            group_module.DEFAULT_FUSE_BELOW_NUMEL = saved_fuse
+        x, y = _batch_for(7, 5)(0, 2 * world * micro_batches)
+        with aliasing_at(site) as hits:
+            try:
+                for index in range(micro_batches):
+                    model.set_requires_gradient_sync(index == micro_batches - 1)
+                    part = slice((rank * micro_batches + index) * 2, (rank * micro_batches + index + 1) * 2)
+                    _mse(model, (x[part], y[part])).backward()
+            except buffers.OwnershipError as error:
+                message = str(error)
+            else:
+                raise AssertionError(f"an aliasing {site!r} was not caught (reached {len(hits)} times)")
+        assert hits and site in message, message
+        assert any(name in message for name in names), f"no parameter named: {message}"
+        model.reset_iter_state()
+        return message.split(":")[0]
+
+    return scenario
+
+
 def suite():
-    return {fn.__name__: fn for fn in [
-        seed_config_even_dim0, seed_config_padded_dim0, seed_config_even_dim1, seed_config_padded_dim1,
-        gradients_sharing_one_storage, low_precision_stored_fp32_reduce, padding_path_reclaims_its_buffers,
-        soak_500_steps_flat_buffer_count,
-    ]}
+    return {
+        **{fn.__name__: fn for fn in [
+            seed_config_even_dim0, seed_config_padded_dim0, seed_config_even_dim1, seed_config_padded_dim1,
+            gradients_sharing_one_storage, low_precision_stored_fp32_reduce, padding_path_reclaims_its_buffers,
+            soak_500_steps_flat_buffer_count, no_shard_tensor_subclass, accumulators_are_counted_as_main_grad,
+        ]},
+        **{f"aliasing_caught_at[{site}]": _caught_at(site, *how) for site, how in SITES.items()},
+    }
+
+
+def four_rank_sites():
+    return {f"aliasing_caught_at[{site}]": _caught_at(site, *how) for site, how in FOUR_RANK_SITES.items()}
 
 
 def soak_500_steps_flat_buffer_count():

@@ -14,26 +14,88 @@ def sanitizer_on():
     buffers.set_check_ownership(was)
 
 
+def _claim(tensor, what, sources=()):
+    """What every owned-buffer constructor of the runtime does with the tensor it made."""
+    return buffers.Owned(tensor, what, buffers.TORCH_STORAGE, sources=sources)
+
+
 def test_seed_bug_same_dtype_conversion_is_caught():
-    """The seed: a same-dtype 'conversion' of a borrowed gradient adopted as owned, then freed."""
+    """The seed: a same-dtype 'conversion' of a gradient claimed as owned. Caught by the source the site
+    names even when nothing registered the gradient, and by the borrowed registry when a source is missing."""
     grad = torch.randn(8, 4)
-    lent = buffers.borrow(grad, "gradient of [w] of module 'm'")
     converted = grad.to(torch.float32).reshape(-1)  # returns the caller's storage
+    with pytest.raises(OwnershipError, match=r"reduce-scatter input of \[w\].*shares storage with what it was made"):
+        _claim(converted, "reduce-scatter input of [w] of module 'm'", sources=(grad,))
+    lent = buffers.borrow(grad, "gradient of [w] of module 'm'")
     with pytest.raises(OwnershipError, match=r"gradient of \[w\] of module 'm'"):
-        buffers.adopt(converted, "reduce-scatter input of [w] of module 'm'")
+        _claim(converted, "reduce-scatter input of [w] of module 'm'")
     lent.release()
     assert grad.untyped_storage().nbytes() == 8 * 4 * 4  # untouched
+
+
+def test_a_view_of_any_source_is_caught_and_a_real_copy_is_not():
+    grad, other = torch.randn(8, 4), torch.randn(3)
+    with pytest.raises(OwnershipError, match=r"source 1"):
+        _claim(grad[2:].view(-1), "packed input", sources=(other, grad))
+    owned = _claim(grad.clone(), "packed input", sources=(other, grad))
+    owned.reclaim()
+
+
+def test_a_tensor_subclass_cannot_be_owned():
+    """The review's case: a TwoTensor's ``to()`` returns itself, and it has no storage of its own to free."""
+    from torch.testing._internal.two_tensor import TwoTensor
+
+    replica = TwoTensor(torch.randn(4, 4), torch.randn(4, 4))
+    assert replica.to("cpu", torch.float32) is replica
+    with pytest.raises(OwnershipError, match="tensor subclass"):
+        _claim(replica.to("cpu", torch.float32), "float32 copy of replica 'w'", sources=(replica,))
+    with pytest.raises(OwnershipError, match="shares storage"):  # its inner tensors are what it reads
+        _claim(replica.a.view(-1), "packed input of [w]", sources=(replica,))
+
+
+def test_copy_of_really_copies_where_to_would_return_its_input():
+    from torch.testing._internal.two_tensor import TwoTensor
+
+    for source in (torch.randn(8, 4), TwoTensor(torch.randn(8, 4), torch.randn(8, 4))):
+        owned = buffers.copy_of(source, torch.float32, torch.device("cpu"), "copy of 'w'")
+        assert type(owned.tensor) is torch.Tensor
+        owned.reclaim()
+        assert source.untyped_storage().nbytes() > 0  # untouched
 
 
 def test_a_real_cast_is_owned_and_can_be_reclaimed():
     grad = torch.randn(8, 4)
     lent = buffers.borrow(grad, "gradient")
-    owned = buffers.adopt(grad.to(torch.bfloat16), "cast of gradient")
+    owned = buffers.copy_of(grad, torch.bfloat16, grad.device, "cast of gradient")
     owned.reclaim()
     assert owned.is_reclaimed and grad.untyped_storage().nbytes() > 0
     owned.regrow()
     assert not owned.is_reclaimed
     lent.release()
+
+
+def test_a_copy_handed_out_is_checked_against_its_source(monkeypatch):
+    output = torch.randn(16)
+    copied = buffers.copy_out(output[:8], torch.float32, output.device, "sharded gradient of 'w'")
+    assert copied.untyped_storage()._cdata != output.untyped_storage()._cdata
+    monkeypatch.setattr(buffers, "_copy", lambda tensor, *args: tensor)  # a "copy" that returns its input
+    with pytest.raises(OwnershipError, match="sharded gradient of 'w'"):
+        buffers.copy_out(output[:8], torch.float32, output.device, "sharded gradient of 'w'")
+
+
+def test_the_meter_counts_each_kind_apart():
+    before = buffers.comm_bytes()
+    kinds = {kind: buffers.allocate(4, torch.float32, torch.device("cpu"), kind.value, kind) for kind in buffers.Kind}
+    after = buffers.comm_bytes()
+    for kind in buffers.Kind:
+        assert after[f"{kind.value}_live"] - before[f"{kind.value}_live"] == 16
+    assert after["live"] - before["live"] == 48
+    kinds[buffers.Kind.TRANSIENT].retag(buffers.Kind.MAIN_GRAD)  # a reduced buffer kept as a partial sum
+    moved = buffers.comm_bytes()
+    assert moved["transient_live"] == before["transient_live"] and moved["main_grad_live"] - before["main_grad_live"] == 32
+    for owned in kinds.values():
+        owned.reclaim()
+    assert buffers.comm_bytes()["live"] == before["live"]
 
 
 def test_owned_storage_that_is_also_lent_cannot_be_freed_or_written():
@@ -50,7 +112,7 @@ def test_owned_storage_that_is_also_lent_cannot_be_freed_or_written():
 
 def test_unknown_storage_cannot_be_freed():
     foreign = buffers.Owned.__new__(buffers.Owned)  # bypass registration: storage fullshard never allocated
-    foreign.tensor, foreign.what, foreign.working = torch.randn(4), "a tensor from elsewhere", False
+    foreign.tensor, foreign.what, foreign.kind = torch.randn(4), "a tensor from elsewhere", buffers.Kind.TRANSIENT
     foreign._ops, foreign.resizable = buffers.TORCH_STORAGE, True
     foreign._nbytes, foreign._counted = 16, 0
     with pytest.raises(OwnershipError, match="not allocated by fullshard"):

@@ -367,3 +367,22 @@ def test_gradient_wire_bytes_follow_the_backend():
     assert gradient_wire_bytes(False, "gloo", "cpu", 16, "bfloat16", "float32") == 4  # gloo's ring above 8 ranks
     assert gradient_wire_bytes(False, "gloo", "cpu", 2, "bfloat16", "float32", override="collective") == 4
     assert gradient_wire_bytes(True, "gloo", "cpu", 2, "bfloat16", "float32") == 4  # no_shard all-reduces in fp32
+
+
+def test_a_replica_is_borrowed_unless_computing_needs_a_copy():
+    """no_shard: the replica computes as it is (whatever its tensor type) unless another dtype or device is
+    needed; then an owned copy."""
+    from fullshard.plan import Unsharded, plan_replica
+
+    assert plan_replica(cast_needed=False) is Unsharded.REPLICA
+    assert plan_replica(cast_needed=True) is Unsharded.OWN_STORAGE
+
+
+@pytest.mark.parametrize("runtime, same_dtype, expected", [
+    ("torch", True, "IN_AUTOGRAD"), ("torch", False, "OWNED"), ("mindspore", True, "OWNED"), ("mindspore", False, "OWNED"),
+])
+def test_accumulation_is_autograds_only_where_it_sums_in_the_reduce_dtype(runtime, same_dtype, expected):
+    from fullshard.plan import MINDSPORE_RUNTIME, TORCH_RUNTIME, Accumulation, plan_accumulation
+
+    facts = TORCH_RUNTIME if runtime == "torch" else MINDSPORE_RUNTIME
+    assert plan_accumulation(same_dtype, facts) is Accumulation[expected]

@@ -13,20 +13,33 @@ per runtime that allocates, reclaims and writes communication storage.
   :meth:`Borrowed.release` only drops the reference.
 
 Which one a buffer is comes from ``fullshard.plan.ownership``; this module only
-carries out the decision. With ``FULLSHARD_CHECK_OWNERSHIP=1`` (or
-:func:`set_check_ownership`) a sanitizer records every storage fullshard
-allocates and every storage it borrows, and before each reclaim or in-place
-write verifies that the storage is owned and not also lent to fullshard by
-someone else; a violation raises :class:`OwnershipError` naming the buffer (its
-parameters and module) and the operation. This catches the seed's bug: a
-"cast" that silently returned the caller's storage would be adopted as owned
-while that storage is registered as borrowed.
+carries out the decision. An owned claim is checked, not trusted: every place
+that makes an owned buffer names the tensors it was made from (``sources``).
+With ``FULLSHARD_CHECK_OWNERSHIP=1`` (or :func:`set_check_ownership`) a
+sanitizer
+
+* rejects an owned buffer that shares storage with any of its sources, or that
+  is a tensor subclass with no storage of its own to free (the seed's bug: a
+  same-dtype "cast" that returned the caller's storage);
+* records every storage fullshard owns and every storage it borrows, and
+  before each reclaim or in-place write verifies that the storage is owned and
+  not also lent to fullshard by someone else.
+
+A violation raises :class:`OwnershipError` naming the buffer (its parameters
+and module, and the site that made it) and the operation. With the sanitizer
+off none of this runs: the sources are only passed along.
+
+Owned bytes are metered by kind (:class:`Kind`): the unsharded parameters
+(working copies any FSDP must hold), gradients kept across backward passes
+(main gradients, accumulators, partial sums), and everything else, the
+transient communication buffers.
 """
 from __future__ import annotations
 
+import enum
 import os
 import weakref
-from typing import Any, Optional, Protocol
+from typing import Any, Iterable, Optional, Protocol
 
 
 class OwnershipError(RuntimeError):
@@ -47,6 +60,22 @@ class StorageOps(Protocol):
 
     def resize(self, tensor: Any, nbytes: int) -> None:
         """Give the storage ``nbytes`` (0 frees it; every view of it becomes empty)."""
+
+    def keys(self, tensor: Any) -> frozenset:
+        """The keys of every storage ``tensor`` reads: its own, or for a tensor subclass wrapping other
+        tensors, theirs. Debug only, like :meth:`key`."""
+
+    def has_own_storage(self, tensor: Any) -> bool:
+        """Whether ``tensor`` is backed by a storage of its own that :meth:`resize` can free (a tensor
+        subclass that only wraps others is not)."""
+
+
+class Kind(enum.Enum):
+    """What an owned buffer holds, for the byte meter."""
+
+    TRANSIENT = "transient"  # communication buffers: inputs, outputs, scratch of the collectives
+    WORKING = "working"  # unsharded parameters: the working copies every FSDP holds to compute
+    MAIN_GRAD = "main_grad"  # gradients kept across backward passes: main grads, accumulators, partial sums
 
 
 class _Sanitizer:
@@ -76,6 +105,31 @@ class _Sanitizer:
                 )
             self.owned[key] = (token, what)
         self.keys[token] = key
+
+    def check_fresh(self, ops: StorageOps, tensor: Any, sources: Iterable[Any], what: str) -> None:
+        """``tensor`` is claimed as new storage made from ``sources``: refuse a subclass without storage of its
+        own, and any storage shared with a source."""
+        if not ops.has_own_storage(tensor):
+            raise OwnershipError(
+                f"{what}: the buffer fullshard was about to own is a {type(tensor).__name__}, a tensor subclass "
+                "with no storage of its own to free or write; the site that made it must allocate a plain tensor "
+                "and copy into it"
+            )
+        if not ops.nbytes(tensor):
+            return
+        key = ops.key(tensor)
+        for index, source in enumerate(sources):
+            if source is not None and key in ops.keys(source):
+                shape = tuple(getattr(source, "shape", ()))
+                lenders = self.borrowed.get(key)
+                lent = f", the {lenders[0]} fullshard borrows" if lenders else ""
+                raise OwnershipError(
+                    f"{what}: claimed as a new buffer fullshard owns, but it shares storage with what it was made "
+                    f"from (source {index}: a {getattr(source, 'dtype', '?')} tensor of shape {shape}{lent}), so "
+                    "freeing or writing it would free or write that tensor. This is the seed's bug class: a "
+                    "same-dtype conversion, a view or a reshape returned its input. The plan must mark this path "
+                    "BORROWED, or the site must really allocate."
+                )
 
     def on_emptied(self, token: int) -> None:
         """The buffer's storage was freed: its key may now be another allocation's."""
@@ -132,52 +186,69 @@ def live_owned_buffers() -> int:
     return len(_SANITIZER.owned)
 
 
+def check_fresh(ops: StorageOps, tensor: Any, sources: Iterable[Any], what: str) -> None:
+    """Check (sanitizer on) that a copy fullshard made, to hand out rather than keep, shares no storage with
+    its sources: the site frees a source next (e.g. the reduced buffer a gradient was copied out of)."""
+    if _SANITIZER.enabled:
+        _SANITIZER.check_fresh(ops, tensor, sources, what)
+
+
 class _ByteMeter:
-    """Bytes of owned storage alive now, and peaks since the last reset (always on).
+    """Bytes of owned storage alive now, and peaks since the last reset (always on): all of it, and per
+    :class:`Kind`."""
 
-    Kept twice: everything, and the *transient* part, i.e. without the
-    working copies (unsharded parameters), which any FSDP must hold to compute.
-    """
-
-    live = peak = transient_live = transient_peak = 0
+    live = peak = 0
+    kind_live = {kind: 0 for kind in Kind}
+    kind_peak = {kind: 0 for kind in Kind}
 
     @classmethod
-    def add(cls, nbytes: int, working: bool) -> None:
+    def add(cls, nbytes: int, kind: Kind) -> None:
         cls.live += nbytes
         cls.peak = max(cls.peak, cls.live)
-        if not working:
-            cls.transient_live += nbytes
-            cls.transient_peak = max(cls.transient_peak, cls.transient_live)
+        cls.kind_live[kind] += nbytes
+        cls.kind_peak[kind] = max(cls.kind_peak[kind], cls.kind_live[kind])
 
 
 def comm_bytes() -> dict[str, int]:
-    """Bytes of fullshard-owned storage: ``live``/``peak`` (all of it) and ``transient_live``/
-    ``transient_peak`` (communication buffers only, without the unsharded parameters)."""
+    """Bytes of fullshard-owned storage: ``live``/``peak`` (all of it), and per kind ``<kind>_live``/
+    ``<kind>_peak``: ``transient`` (communication buffers only), ``working`` (unsharded parameters) and
+    ``main_grad`` (gradients kept across backward passes)."""
     meter = _ByteMeter
-    return {"live": meter.live, "peak": meter.peak,
-            "transient_live": meter.transient_live, "transient_peak": meter.transient_peak}
+    figures = {"live": meter.live, "peak": meter.peak}
+    for kind in Kind:
+        figures[f"{kind.value}_live"] = meter.kind_live[kind]
+        figures[f"{kind.value}_peak"] = meter.kind_peak[kind]
+    return figures
 
 
 def reset_peak_comm_bytes() -> None:
-    _ByteMeter.peak, _ByteMeter.transient_peak = _ByteMeter.live, _ByteMeter.transient_live
+    _ByteMeter.peak = _ByteMeter.live
+    _ByteMeter.kind_peak = dict(_ByteMeter.kind_live)
 
 
 class Owned:
-    """Storage fullshard allocated: it may write, reclaim and regrow it."""
+    """Storage fullshard allocated: it may write, reclaim and regrow it.
 
-    __slots__ = ("tensor", "what", "working", "resizable", "_ops", "_nbytes", "_counted", "__weakref__")
+    ``sources``: the tensors it was made from (what was cast, copied, packed or gathered into it); with
+    the sanitizer on, sharing storage with any of them is an :class:`OwnershipError`.
+    """
 
-    def __init__(self, tensor: Any, what: str, ops: StorageOps, working: bool = False, resizable: bool = True) -> None:
+    __slots__ = ("tensor", "what", "kind", "resizable", "_ops", "_nbytes", "_counted", "__weakref__")
+
+    def __init__(self, tensor: Any, what: str, ops: StorageOps, kind: Kind = Kind.TRANSIENT, resizable: bool = True,
+                 sources: Iterable[Any] = ()) -> None:
+        if _SANITIZER.enabled:
+            _SANITIZER.check_fresh(ops, tensor, sources, what)
         self.tensor = tensor
         self.what = what
-        self.working = working  # an unsharded parameter's storage, not a transient buffer
+        self.kind = kind
         # False: storage from someone else's allocator made for fullshard (a custom collective's
         # pool): written by fullshard, but let go of by dropping it, never resized.
         self.resizable = resizable
         self._ops = ops
         self._nbytes = ops.nbytes(tensor)
         self._counted = self._nbytes
-        _ByteMeter.add(self._nbytes, working)
+        _ByteMeter.add(self._nbytes, kind)
         if _SANITIZER.enabled:
             _SANITIZER.on_owned(id(self), self._live_key(), what)
             weakref.finalize(self, _SANITIZER.on_disowned, id(self))
@@ -192,6 +263,12 @@ class Owned:
     @property
     def is_reclaimed(self) -> bool:
         return self._ops.nbytes(self.tensor) == 0
+
+    def retag(self, kind: Kind) -> None:
+        """Count the bytes under another kind from now on (a reduced buffer kept as a partial sum)."""
+        _ByteMeter.add(-self._counted, self.kind)
+        self.kind = kind
+        _ByteMeter.add(self._counted, kind)
 
     def _check(self, operation: str) -> None:
         if _SANITIZER.enabled:
@@ -211,7 +288,7 @@ class Owned:
         self._ops.resize(self.tensor, 0)
         if _SANITIZER.enabled:
             _SANITIZER.on_emptied(id(self))
-        _ByteMeter.add(-self._counted, self.working)
+        _ByteMeter.add(-self._counted, self.kind)
         self._counted = 0
 
     def regrow(self) -> None:
@@ -221,14 +298,14 @@ class Owned:
             self._ops.resize(self.tensor, self._nbytes)
             if _SANITIZER.enabled:
                 _SANITIZER.on_owned(id(self), self._live_key(), self.what)
-            _ByteMeter.add(self._nbytes - self._counted, self.working)
+            _ByteMeter.add(self._nbytes - self._counted, self.kind)
             self._counted = self._nbytes
 
     def hand_off(self) -> Any:
         """Give the storage away (e.g. as a ``.grad``): fullshard never frees it again."""
         if _SANITIZER.enabled:
             _SANITIZER.on_disowned(id(self))
-        _ByteMeter.add(-self._counted, self.working)
+        _ByteMeter.add(-self._counted, self.kind)
         self._counted = 0
         tensor, self.tensor = self.tensor, None
         return tensor
@@ -242,8 +319,11 @@ class Owned:
         self.hand_off()
 
     def __del__(self) -> None:
-        # Dropped without reclaim: the storage goes with the last reference.
-        _ByteMeter.add(-self._counted, self.working)
+        # Dropped without reclaim: the storage goes with the last reference. (A buffer the sanitizer refused
+        # in __init__ was never counted.)
+        counted = getattr(self, "_counted", 0)
+        if counted:
+            _ByteMeter.add(-counted, self.kind)
 
 
 class Borrowed:

@@ -2,8 +2,11 @@
 
 ``memory_report(cell, optimizer)`` counts bytes of real tensors (MindSpore
 reports no memory statistics on CPU, and RSS does not fall when storage is
-freed): the shards and other parameters, ``main_grad``, optimizer state, and
-the storage fullshard owns now and at peak (unsharded parameters included).
+freed): the shards and other parameters, optimizer state, the gradients
+fullshard owns across backward passes (``main_grad``: the fp32 main grads,
+accumulators, HSDP partial sums), and the storage fullshard owns now and at
+peak, in all (unsharded parameters and main gradients included) and for
+communication alone (``transient_peak``).
 Traffic is what every collective fullshard issued since
 :func:`fullshard.core.traffic.reset_traffic` really carried, next to the
 strategy's theoretical payload and to what the chosen collectives (CPU
@@ -40,7 +43,6 @@ def memory_report(cell: nn.Cell, optimizer: Optional[nn.Optimizer] = None) -> di
     """Bytes this rank holds and moved, with the theoretical figures for the cell's strategy."""
     states = _states(cell)
     groups = [g for s in states for g in s.groups]
-    managed = [p for g in groups for p in g.params]
     params = list(cell.get_parameters())
     own = {id(p) for p in params}
     names = {p.name for p in params}
@@ -53,9 +55,10 @@ def memory_report(cell: nn.Cell, optimizer: Optional[nn.Optimizer] = None) -> di
     meter = comm_bytes()
     measured = {
         "params": _nbytes(params),
-        "main_grad": _nbytes(p.main_grad.tensor for p in managed if p.main_grad is not None),
+        # owned gradients kept across backward passes: main_grad, accumulators while sync is off, partial sums
+        "main_grad": meter["main_grad_live"],
         "optim": _nbytes(optim_state),
-        "comm_live": meter["live"],  # owned storage: unsharded parameters, buffers, main_grad
+        "comm_live": meter["live"],  # all owned storage: unsharded parameters, buffers, main gradients
         "comm_peak": meter["peak"],
         "transient_peak": meter["transient_peak"],  # communication buffers only
     }

@@ -21,12 +21,14 @@ MindSpore differs from torch in ways that shape every call here:
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Iterable
 
 from mindspore import Tensor, ops
 
+from fullshard.core import buffers as core
 from fullshard.core.buffers import (  # noqa: F401  (re-exported: the MindSpore runtime's whole buffer API)
     Borrowed,
+    Kind,
     Owned,
     OwnershipError,
     check_ownership_enabled,
@@ -50,23 +52,34 @@ class _MindSporeStorage:
     def resize(self, tensor: Tensor, nbytes: int) -> None:
         tensor.untyped_storage().resize_(nbytes)
 
+    def keys(self, tensor: Tensor) -> frozenset:
+        return frozenset((self.key(tensor),))
+
+    def has_own_storage(self, tensor: Tensor) -> bool:
+        return True  # MindSpore has no tensor subclasses that wrap other tensors
+
 
 MINDSPORE_STORAGE = _MindSporeStorage()
 
 
-def adopt(tensor: Tensor, what: str, working: bool = False) -> Owned:
-    """Take ownership of the result of an allocating op (``working``: it backs unsharded parameters).
+def adopt(tensor: Tensor, what: str, sources: Iterable[Any], kind: Kind = Kind.TRANSIENT) -> Owned:
+    """Take ownership of the result of an allocating op made from ``sources``.
 
     Callers reach here only on code paths the plan marks OWNED; the sanitizer
-    verifies that the op really allocated, i.e. that the storage is not one
-    fullshard is borrowing.
+    verifies that the op really allocated: the result shares no storage with
+    its sources, nor with any storage fullshard is borrowing.
     """
-    return Owned(tensor, what, MINDSPORE_STORAGE, working)
+    return Owned(tensor, what, MINDSPORE_STORAGE, kind, sources=sources)
 
 
-def zeros(shape: tuple[int, ...] | int, dtype: Any, what: str) -> Owned:
+def zeros(shape: tuple[int, ...] | int, dtype: Any, what: str, kind: Kind = Kind.TRANSIENT) -> Owned:
     """A fresh owned buffer of zeros."""
-    return adopt(ops.zeros(shape, dtype), what)
+    return adopt(ops.zeros(shape, dtype), what, (), kind)
+
+
+def check_fresh(tensor: Tensor, sources: Iterable[Any], what: str) -> None:
+    """A copy made to be handed out (not kept) shares no storage with ``sources`` (sanitizer on)."""
+    core.check_fresh(MINDSPORE_STORAGE, tensor, sources, what)
 
 
 def borrow(tensor: Tensor, what: str) -> Borrowed:

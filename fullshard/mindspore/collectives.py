@@ -14,7 +14,7 @@ from mindspore import Tensor, mint, ops
 
 from fullshard.mindspore import buffers
 from fullshard.mindspore import exchange as transport
-from fullshard.mindspore.buffers import Borrowed, Owned
+from fullshard.mindspore.buffers import Borrowed, Kind, Owned
 from fullshard.mindspore.exchange import Comm
 from fullshard.mindspore.group_plan import GroupPlan
 from fullshard.mindspore.param import ShardedParam
@@ -70,16 +70,16 @@ def _to_carrier(source: Tensor, carrier: Any, bit_cast: bool, transient: list, l
     if bit_cast:
         return source.view(carrier)  # the same bytes (bf16 as fp16 bits)
     if source.dtype != carrier:
-        transient.append(buffers.adopt(source.astype(carrier), f"widened all-gather input of {label}"))
+        transient.append(buffers.adopt(source.astype(carrier), f"widened all-gather input of {label}", (source,)))
         return transient[-1].tensor
     return source
 
 
-def _from_carrier(flat: Tensor, dtype: Any, bit_cast: bool, transient: list, label: str) -> Tensor:
+def _from_carrier(flat: Tensor, dtype: Any, bit_cast: bool, transient: list, label: str, sent: Tensor) -> Tensor:
     if bit_cast:
         return flat.view(dtype)
     if flat.dtype != dtype:
-        transient.append(buffers.adopt(flat, f"widened all-gather output of {label}"))
+        transient.append(buffers.adopt(flat, f"widened all-gather output of {label}", (sent,)))
         return flat.astype(dtype)
     return flat
 
@@ -96,6 +96,7 @@ def gather_bucket(plan: GroupPlan, index: int, comm: Comm) -> list[Owned]:
     dtype = members[0].compute_dtype
     carrier, bit_cast = plan.gather_carrier(index)
     whole = gather.unsharded is Unsharded.OUTPUT
+    shards = [p.sharded for p in members]
     lent = [buffers.borrow(p.sharded, f"sharded parameter '{p.fqn}'") for p in members]
     transient: list[Optional[Owned | Borrowed]] = []
     try:
@@ -103,22 +104,24 @@ def gather_bucket(plan: GroupPlan, index: int, comm: Comm) -> list[Owned]:
             shard = members[0].sharded
             transient.append(buffers.borrow(shard if whole else shard.reshape(-1), f"all-gather input of {label}"))
         elif whole:  # lone, unpadded: only a cast, which allocates
-            transient.append(buffers.adopt(members[0].sharded.astype(dtype), f"all-gather input of {label}"))
+            transient.append(buffers.adopt(members[0].sharded.astype(dtype), f"all-gather input of {label}", shards))
         else:
-            transient.append(buffers.adopt(pack_shards(bucket, members, dtype), f"all-gather input of {label}"))
+            transient.append(buffers.adopt(pack_shards(bucket, members, dtype), f"all-gather input of {label}", shards))
         source = _to_carrier(transient[-1].tensor, carrier, bit_cast, transient, label)
         flat = transport.all_gather(plan.collectives.gather, source, comm, label)
+        read = (source, *shards)  # what this rank's gather read: its output must be storage of its own
         if whole:
             param = members[0]
             if flat.dtype != dtype:  # widened on the wire: narrowing back allocates the parameter's own tensor
-                transient.append(buffers.adopt(flat, f"widened all-gather output of {label}"))
+                transient.append(buffers.adopt(flat, f"widened all-gather output of {label}", read))
                 flat = flat.astype(dtype)
-            return [buffers.adopt(flat, f"unsharded parameter '{param.fqn}' of cell '{plan.module_name}'", working=True)]
-        flat = _from_carrier(flat, dtype, bit_cast, transient, label)
-        transient.append(buffers.adopt(flat, f"all-gather output of {label}"))
+            return [buffers.adopt(flat, f"unsharded parameter '{param.fqn}' of cell '{plan.module_name}'", read,
+                                  Kind.WORKING)]
+        flat = _from_carrier(flat, dtype, bit_cast, transient, label, source)
+        transient.append(buffers.adopt(flat, f"all-gather output of {label}", read))
         return [
             buffers.adopt(unpack_member(flat, bucket, i, p), f"unsharded parameter '{p.fqn}' of cell '{plan.module_name}'",
-                          working=True)
+                          (flat, *read), Kind.WORKING)
             for i, p in enumerate(members)
         ]
     finally:
@@ -139,12 +142,15 @@ def gather_full(param: ShardedParam, comm: Comm, exchange: Exchange, backend: Ba
     transient: list = []
     lent = buffers.borrow(param.sharded, f"sharded parameter '{param.fqn}'")
     try:
-        transient.append(buffers.adopt(pack_shards(bucket, [param], param.stored_dtype), f"all-gather input of {label}"))
+        transient.append(buffers.adopt(pack_shards(bucket, [param], param.stored_dtype), f"all-gather input of {label}",
+                                       (param.sharded,)))
         source = _to_carrier(transient[-1].tensor, dtype_named(carrier), bit_cast, transient, label)
         flat = _from_carrier(transport.all_gather(exchange, source, comm, label), param.stored_dtype, bit_cast,
-                             transient, label)
-        transient.append(buffers.adopt(flat, f"all-gather output of {label}"))
-        return unpack_member(flat, bucket, 0, param)
+                             transient, label, source)
+        transient.append(buffers.adopt(flat, f"all-gather output of {label}", (source, param.sharded)))
+        full = unpack_member(flat, bucket, 0, param)
+        buffers.check_fresh(full, (flat,), f"full '{param.fqn}' (copied out of the all-gather output, freed next)")
+        return full
     finally:
         lent.release()
         buffers.release_all(transient)

@@ -57,7 +57,8 @@ def all_gather(exchange: Exchange, chunk: Tensor, comm: Comm, label: str) -> Ten
     rows, rest = chunk.shape[0], tuple(chunk.shape[1:])
     before, after = comm.rank * rows, (comm.size - comm.rank - 1) * rows
     parts = [ops.zeros((before,) + rest, chunk.dtype), chunk, ops.zeros((after,) + rest, chunk.dtype)]
-    filled = buffers.adopt(mint.cat([p for p in parts if p.shape[0]]), f"zero-filled all-gather buffer of {label}")
+    filled = buffers.adopt(mint.cat([p for p in parts if p.shape[0]]), f"zero-filled all-gather buffer of {label}",
+                           (chunk,))
     try:
         out = _primitive("all_reduce", comm.group)(filled.tensor)
         traffic["all_reduce"] += out.nbytes
@@ -91,3 +92,13 @@ def all_reduce(flat: Tensor, comm: Comm) -> Tensor:
     out = _primitive("all_reduce", comm.group)(flat)
     traffic["all_reduce"] += out.nbytes
     return out
+
+
+def sum_floats(values: list[float], comm: Comm) -> list[float]:
+    """``values`` summed over the group as float32 (a control message, not model bytes: not counted as traffic)."""
+    import numpy as np
+
+    from fullshard.mindspore.autograd import no_grad
+
+    with no_grad():
+        return _primitive("all_reduce", comm.group)(Tensor(np.asarray(values, np.float32))).asnumpy().tolist()

@@ -15,7 +15,7 @@ from mindspore import Tensor, ops
 
 from fullshard.mindspore import buffers
 from fullshard.mindspore import exchange as transport
-from fullshard.mindspore.buffers import Owned
+from fullshard.mindspore.buffers import Kind, Owned
 from fullshard.mindspore.collectives import finish_grad, member_chunk, pack_grads
 from fullshard.mindspore.exchange import Comm
 from fullshard.mindspore.group_plan import GroupPlan
@@ -85,7 +85,8 @@ class GradReducer:
         if reduction.input is Ownership.BORROWED:
             source = buffers.borrow(grads[0].reshape(-1), f"reduce-scatter input of {label}")
         else:
-            source = buffers.adopt(pack_grads(bucket, members, grads, wire), f"reduce-scatter input of {label}")
+            source = buffers.adopt(pack_grads(bucket, members, grads, wire), f"reduce-scatter input of {label}", grads)
+        read = (*grads, source.tensor)  # what this rank's reduction read: the sum must be storage of its own
         try:
             if self.all_reduce:
                 summed, offset = transport.all_reduce(source.tensor, self.comm), 0
@@ -93,22 +94,25 @@ class GradReducer:
                 summed, offset = transport.reduce_scatter(plan.collectives.reduce, source.tensor, self.comm)
         finally:
             buffers.release_all([source])
-        output = buffers.adopt(summed, f"reduced gradient of {label}")
+        output = buffers.adopt(summed, f"reduced gradient of {label}", read)
         if self.replica is not None:
             output, offset = self._sum_across_replicas(index, output, offset)
             if output is None:
                 return _zeros(members)  # a partial sum, kept for a later backward
+        hands_off = reduction.sharded_grad is ShardedGrad.VIEW_OF_OUTPUT and divisor == 1
         try:
             results = []
             for i, param in enumerate(members):
                 grad, reduced = finish_grad(member_chunk(output.tensor, offset, bucket, i, param), reduction, divisor,
                                             param.stored_dtype)
+                if not hands_off:  # the reduced buffer is freed below: the gradient must not live in it
+                    buffers.check_fresh(grad, (output.tensor,), f"sharded gradient of '{param.fqn}' ({label})")
                 param.add_to_main_grad(reduced)
                 results.append(grad)
         except BaseException:
             output.reclaim()
             raise
-        if reduction.sharded_grad is ShardedGrad.VIEW_OF_OUTPUT and divisor == 1:
+        if hands_off:
             output.hand_off()  # the sharded gradients are views of it now; never freed by fullshard
         else:
             output.reclaim()
@@ -122,13 +126,15 @@ class GradReducer:
         if partial is not None:
             buffers.accumulate(partial, mine, "add to the partial gradient sum")
         else:
-            partial = buffers.adopt(mine.copy(), f"partial gradient sum of {label}")
+            partial = buffers.adopt(mine.copy(), f"partial gradient sum of {label}", (output.tensor,))
         output.reclaim()
         if not self.all_reduce_grads:
+            partial.retag(Kind.MAIN_GRAD)  # kept across backward passes: gradient memory, not a transfer's
             self._partials[index] = partial
             return None, 0
         try:
-            summed = buffers.adopt(transport.all_reduce(partial.tensor, self.replica), f"replica-summed gradient of {label}")
+            summed = buffers.adopt(transport.all_reduce(partial.tensor, self.replica),
+                                   f"replica-summed gradient of {label}", (partial.tensor,))
         finally:
             partial.reclaim()
         return summed, 0

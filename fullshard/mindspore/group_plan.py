@@ -10,7 +10,7 @@ from typing import Any, Optional
 from fullshard.core.units import BucketNames
 from fullshard.mindspore.param import ShardedParam
 from fullshard.mindspore.policies import dtype_name, dtype_named
-from fullshard.plan import MINDSPORE_RUNTIME, GatherPlan, plan_buckets, plan_gather
+from fullshard.plan import MINDSPORE_RUNTIME, GatherPlan, Unsharded, plan_buckets, plan_gather, plan_replica
 from fullshard.plan.backends import Backend, Collectives, carrier_dtype, is_bit_cast
 from fullshard.plan.exchange import Exchange
 
@@ -53,6 +53,8 @@ class GroupPlan(BucketNames):
                         exchange=collectives.gather, runtime=MINDSPORE_RUNTIME, bit_cast=self.gather_carrier(i)[1])
             for i, b in enumerate(self.buckets)
         ]
+        # no_shard / replicate_params: what each replica computes with (nothing is gathered)
+        self.replica_plans: list[Unsharded] = [plan_replica(p.converts_for_compute) for p in params]
 
     def reduce_dtype(self, param: ShardedParam) -> Any:
         return self._reduce_dtype or param.compute_dtype

@@ -19,7 +19,7 @@ from mindspore import Parameter, Tensor, nn, ops
 
 from fullshard.mindspore import buffers
 from fullshard.mindspore.autograd import no_grad
-from fullshard.mindspore.buffers import Owned
+from fullshard.mindspore.buffers import Kind, Owned
 from fullshard.plan import ShardLayout
 
 # Set on the sharded Parameter: the ShardedParam behind it (clip_grad_norm, full_state_dict, memory reports).
@@ -71,7 +71,7 @@ class ShardedParam:
         """Put the shard in place of the original in every owner cell (the only step that changes them)."""
         if self._main_grad:
             shape = self.layout.local_shape(self.rank)
-            self.main_grad = buffers.zeros(shape, ms.float32, f"main_grad of '{self.fqn}'")
+            self.main_grad = buffers.zeros(shape, ms.float32, f"main_grad of '{self.fqn}'", Kind.MAIN_GRAD)
             self.sharded.main_grad = self.main_grad.tensor
         setattr(self.sharded, MANAGED_ATTR, True)
         setattr(self._original, MANAGED_ATTR, True)
@@ -105,11 +105,12 @@ class ShardedParam:
 
     # ------------------------------------------------------------------ gradients
     def accumulate_grad(self, grad: Tensor, dtype: Any) -> None:
-        """Keep a gradient for a later synced backward (accumulation without sync): an owned sum in ``dtype``."""
+        """Keep a gradient for a later synced backward (accumulation without sync): an owned sum in ``dtype``
+        (``plan_accumulation``: MindSpore's autograd keeps nothing between calls)."""
         if self.grad_accumulator is None:
             # a cast to another dtype or a copy: both allocate
             first = grad.astype(dtype) if grad.dtype != dtype else grad.copy()
-            self.grad_accumulator = buffers.adopt(first, f"gradient accumulator of '{self.fqn}'")
+            self.grad_accumulator = buffers.adopt(first, f"gradient accumulator of '{self.fqn}'", (grad,), Kind.MAIN_GRAD)
         else:
             buffers.accumulate(self.grad_accumulator, grad.astype(dtype) if grad.dtype != dtype else grad,
                                "accumulate a gradient")

@@ -6,12 +6,12 @@ into one :class:`RootContext`, which every unit then points to.
 """
 from __future__ import annotations
 
-import zlib
+from functools import partial
 from typing import TYPE_CHECKING
 
-import numpy as np
-
+from fullshard.core.agreement import check_ranks_agree
 from fullshard.mindspore.autograd import queue_after_backward
+from fullshard.mindspore.exchange import sum_floats
 
 if TYPE_CHECKING:
     from fullshard.mindspore.state import ShardState
@@ -66,37 +66,18 @@ class RootContext:
 
     # ------------------------------------------------------------------ agreement
     def check_ranks_agree(self) -> None:
-        """Fail at the first step, not later with mismatched collectives, if ranks wrapped different models.
-
-        Every rank gathers a checksum per parameter (name, shape, dim, dtypes, trainability) and
-        compares; the first difference is named.
-        """
-        from mindspore import Tensor, ops
-        from mindspore.communication import get_group_size, get_rank
-
-        from fullshard.mindspore.autograd import no_grad
-
-        if get_group_size() == 1:
+        """Fail at the first step, not later with mismatched collectives, if ranks wrapped different models:
+        the shard group and the replicas compare a fixed-size fingerprint (``fullshard.core.agreement``)."""
+        groups = self.groups
+        if not groups:
             return
         rows = [
             (p.fqn, p.layout.shape, p.layout.dim, str(p.stored_dtype), str(p.compute_dtype), p.requires_grad,
              g.replicated)
-            for g in self.groups for p in g.params
+            for g in groups for p in g.params
         ]
-        width = len(rows) + 1
-        sums = [len(rows)] + [zlib.crc32(repr(row).encode()) & 0x7FFFFFFF for row in rows]
-        # Ranks may hold different numbers of rows: agree on the width first.
-        with no_grad():
-            widest = int(ops.AllGather()(Tensor(np.array([width], np.int32))).asnumpy().max())
-            mine = np.full(widest, -1, np.int32)
-            mine[:width] = sums
-            everyone = ops.AllGather()(Tensor(mine)).asnumpy().reshape(-1, widest)
-        for rank, other in enumerate(everyone):
-            if (other != mine).any():
-                first = int(np.argmax(other != mine))
-                what = f"{rows[first - 1]}" if 0 < first <= len(rows) else f"{len(rows)} parameters"
-                raise RuntimeError(
-                    f"fully_shard: rank {get_rank()} and rank {rank} wrapped different models (first difference "
-                    f"at parameter entry {first}: {what} here); every rank must build the same model and apply "
-                    "fully_shard the same way"
-                )
+        comms = [("shard", groups[0].comm), ("replicate", groups[0].reducer.replica)]
+        check_ranks_agree(
+            rows, [(name, comm.size, partial(sum_floats, comm=comm)) for name, comm in comms if comm is not None],
+            "every rank must build the same model and apply fully_shard the same way",
+        )

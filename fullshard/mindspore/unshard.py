@@ -24,11 +24,13 @@ from mindspore import Tensor
 
 from fullshard.mindspore import buffers
 from fullshard.mindspore.autograd import no_grad
-from fullshard.mindspore.buffers import Owned
+from fullshard.mindspore.buffers import Kind, Owned
 from fullshard.mindspore.collectives import gather_bucket
 from fullshard.mindspore.exchange import Comm
 from fullshard.mindspore.group_plan import GroupPlan
 from fullshard.mindspore.param import ShardedParam
+from fullshard.mindspore.policies import dtype_name
+from fullshard.plan import Unsharded
 
 
 class GroupState(enum.Enum):
@@ -88,17 +90,18 @@ class Unsharder:
         self.state = GroupState.UNSHARDED
 
     def _gather(self, index: int) -> Gathered:
-        members = self.plan.members(index)
         if not self.replicated:
             storage = gather_bucket(self.plan, index, self.comm)
             return Gathered(index, tuple(s.tensor for s in storage), storage)
-        # A replica is its own unsharded parameter: a view of it (borrowed), or an owned cast copy.
+        # A replica is its own unsharded parameter: a view of it (borrowed), or an owned cast copy (plan_replica).
         tensors, storage = [], []
-        for param in members:
-            if param.converts_for_compute:
+        for i in self.plan.buckets[index].members:
+            param = self.params[i]
+            if self.plan.replica_plans[i] is Unsharded.OWN_STORAGE:
                 storage.append(buffers.adopt(
                     param.sharded.astype(param.compute_dtype),
-                    f"{param.compute_dtype} copy of '{param.fqn}' of cell '{self.plan.module_name}'", working=True,
+                    f"{dtype_name(param.compute_dtype)} copy of replica '{param.fqn}' of cell '{self.plan.module_name}'",
+                    (param.sharded,), Kind.WORKING,
                 ))
                 tensors.append(storage[-1].tensor)
             else:

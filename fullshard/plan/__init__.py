@@ -10,6 +10,7 @@ from fullshard.plan.layout import (
 )
 from fullshard.plan.ownership import (
     MINDSPORE_RUNTIME,
+    Accumulation,
     TORCH_RUNTIME,
     GatherPlan,
     Ownership,
@@ -18,13 +19,16 @@ from fullshard.plan.ownership import (
     ShardedGrad,
     Unsharded,
     grad_copy_may_be_async,
+    plan_accumulation,
     plan_gather,
     plan_reduce,
+    plan_replica,
     shard_is_padded_chunk,
     stores_padded_chunk,
 )
 
 __all__ = [
+    "Accumulation",
     "DEFAULT_FUSE_BELOW_NUMEL",
     "MINDSPORE_RUNTIME",
     "TORCH_RUNTIME",
@@ -42,9 +46,11 @@ __all__ = [
     "exchange_tag",
     "grad_copy_may_be_async",
     "members_are_row_blocks",
+    "plan_accumulation",
     "plan_buckets",
     "plan_gather",
     "plan_reduce",
+    "plan_replica",
     "reduce_scratch_chunks",
     "shard_is_padded_chunk",
     "stores_padded_chunk",

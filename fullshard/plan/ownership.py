@@ -35,6 +35,16 @@ class Unsharded(enum.Enum):
     # The collective gathered straight into the parameter's shape (along dim 0): its output is the
     # unsharded parameter, with no view in between (no copy either).
     OUTPUT = "the all-gather output itself"
+    # no_shard: nothing is gathered; the replica, which fullshard only borrows, is the unsharded parameter.
+    REPLICA = "the replica itself (borrowed: never freed or written)"
+
+
+class Accumulation(enum.Enum):
+    """Where gradients of backward passes without sync are summed until the synced one reduces them."""
+
+    # autograd sums into the unsharded parameter's .grad, which fullshard only borrows (and reduces later)
+    IN_AUTOGRAD = "summed by autograd into the gradient it holds"
+    OWNED = "summed into an accumulator fullshard owns, in the reduce dtype"
 
 
 class ShardedGrad(enum.Enum):
@@ -103,11 +113,15 @@ class RuntimeFacts:
     # handed out as a tensor of its own, never as a view. MindSpore's collectives gather along dim 0,
     # so a lone dim-0 shard without padding gathers straight into the parameter's shape.
     reclaims_views: bool = True
+    # A parameter's gradient of a later backward is summed into the one it holds (torch's .grad). MindSpore's
+    # value_and_grad returns new gradients each call; whatever is kept between calls, fullshard keeps.
+    autograd_accumulates: bool = True
 
 
 TORCH_RUNTIME = RuntimeFacts()
 MINDSPORE_RUNTIME = RuntimeFacts(
-    shard_in_padded_chunk=False, collectives_in_place=False, in_place_arithmetic=False, reclaims_views=False
+    shard_in_padded_chunk=False, collectives_in_place=False, in_place_arithmetic=False, reclaims_views=False,
+    autograd_accumulates=False,
 )
 
 
@@ -177,6 +191,30 @@ def plan_gather(
             not borrow_input and runtime.collectives_in_place and exchange in (Exchange.PAIRWISE, Exchange.LOCAL)
         ),
     )
+
+
+def plan_replica(cast_needed: bool) -> Unsharded:
+    """What a replicated parameter (``no_shard``) computes with: nothing is gathered.
+
+    The replica itself (``REPLICA``, borrowed: never freed, resized or written by fullshard), whatever its
+    tensor type, unless computing needs another dtype or device (``cast_needed``): then a copy in storage
+    of fullshard's own (``OWN_STORAGE``), made by allocating and copying (a same-dtype or subclass ``to()``
+    may return the replica itself), refreshed before each use and reclaimed on reshard.
+    """
+    return Unsharded.OWN_STORAGE if cast_needed else Unsharded.REPLICA
+
+
+def plan_accumulation(grad_dtype_is_reduce_dtype: bool, runtime: RuntimeFacts = TORCH_RUNTIME) -> Accumulation:
+    """Where gradients are summed while gradient sync is off (accumulation across backward passes).
+
+    Where autograd sums into the gradient it holds and that gradient already is in the reduce dtype,
+    nothing is copied: autograd's own sum is reduced at the synced backward. Otherwise (a narrower
+    compute dtype summed in the reduce dtype, or a runtime whose autograd returns new gradients each
+    time) into an accumulator fullshard allocates, casts or copies into, and owns.
+    """
+    if runtime.autograd_accumulates and grad_dtype_is_reduce_dtype:
+        return Accumulation.IN_AUTOGRAD
+    return Accumulation.OWNED
 
 
 def plan_reduce(

@@ -2,9 +2,12 @@
 
 ``memory_report(model, optimizer)`` counts bytes of real tensors (not RSS):
 sharded parameters, gradients (sharded ``.grad`` plus unsharded gradients
-still held, e.g. while accumulating without sync), optimizer state, and the
-communication storage fullshard owns (which includes unsharded parameters
-kept between steps). Traffic is the payload of every collective fullshard
+still held, e.g. while accumulating without sync), optimizer state, the
+gradients fullshard owns across backward passes (``main_grad``: fp32
+accumulators, HSDP partial sums), and the storage fullshard owns in all and
+for communication alone (``comm_live``/``comm_peak`` include the unsharded
+parameters kept between steps and the main gradients; ``transient_peak`` is
+the communication buffers only). Traffic is the payload of every collective fullshard
 issued since :func:`reset_traffic`.
 """
 from __future__ import annotations
@@ -63,6 +66,7 @@ def memory_report(model: nn.Module, optimizer: Optional[torch.optim.Optimizer] =
         p.unsharded.grad for s in states if s.group is not None for p in s.group.params
         if p.unsharded is not None and p.unsharded.grad is not None
     ]
+    meter = comm_bytes()
     measured = {
         "params": _nbytes(params),
         "grads": _nbytes([p.grad for p in params if p.grad is not None] + unsharded_grads),
@@ -70,9 +74,11 @@ def memory_report(model: nn.Module, optimizer: Optional[torch.optim.Optimizer] =
             v for s in (optimizer.state.values() if optimizer else ()) for v in s.values()
             if torch.is_tensor(v) and v.dim() > 0  # Adam's scalar step counters are not state per parameter
         ),
-        "comm_live": comm_bytes()["live"],  # owned storage, unsharded parameters included
-        "comm_peak": comm_bytes()["peak"],
-        "transient_peak": comm_bytes()["transient_peak"],  # communication buffers only
+        "comm_live": meter["live"],  # all owned storage: unsharded parameters and main gradients included
+        "comm_peak": meter["peak"],
+        "transient_peak": meter["transient_peak"],  # communication buffers only
+        # owned gradients kept across backward passes: accumulators while sync is off, HSDP partial sums
+        "main_grad": meter["main_grad_live"],
     }
     report = {"measured": measured, "traffic": traffic_bytes()}
     strategies = {s.strategy for s in states}

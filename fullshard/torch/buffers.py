@@ -2,14 +2,21 @@
 
 The ownership types, the sanitizer and the byte meter are framework-free
 (``fullshard.core.buffers``); this module supplies torch's storage operations
-and the allocating constructors.
+and the allocating constructors. Each constructor takes the tensors the new
+buffer is made from (``sources``), which the sanitizer checks it shares no
+storage with.
 """
 from __future__ import annotations
 
-import torch
+from typing import Any, Iterable
 
+import torch
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+from fullshard.core import buffers as core
 from fullshard.core.buffers import (  # noqa: F401  (re-exported: the torch runtime's whole buffer API)
     Borrowed,
+    Kind,
     Owned,
     OwnershipError,
     check_ownership_enabled,
@@ -33,6 +40,15 @@ class _TorchStorage:
     def resize(self, tensor: torch.Tensor, nbytes: int) -> None:
         tensor.untyped_storage().resize_(nbytes)
 
+    def keys(self, tensor: torch.Tensor) -> frozenset:
+        if is_traceable_wrapper_subclass(tensor):  # DTensor, TwoTensor...: the storages of what it wraps
+            names, _ = tensor.__tensor_flatten__()
+            return frozenset().union(*(self.keys(getattr(tensor, name)) for name in names))
+        return frozenset((self.key(tensor),))
+
+    def has_own_storage(self, tensor: torch.Tensor) -> bool:
+        return not is_traceable_wrapper_subclass(tensor)
+
 
 TORCH_STORAGE = _TorchStorage()
 
@@ -42,25 +58,44 @@ def allocate(
     dtype: torch.dtype,
     device: torch.device,
     what: str,
-    working: bool = False,
+    kind: Kind = Kind.TRANSIENT,
+    sources: Iterable[Any] = (),
 ) -> Owned:
-    """A fresh owned buffer, contents undefined (``working``: it backs unsharded parameters)."""
-    return Owned(torch.empty(shape, dtype=dtype, device=device), what, TORCH_STORAGE, working)
+    """A fresh owned buffer, contents undefined, to be filled from ``sources``."""
+    return Owned(torch.empty(shape, dtype=dtype, device=device), what, TORCH_STORAGE, kind, sources=sources)
 
 
-def allocate_pooled(comm, numel: int, dtype: torch.dtype, device: torch.device, what: str) -> Owned:
+def allocate_pooled(comm, numel: int, dtype: torch.dtype, device: torch.device, what: str,
+                    sources: Iterable[Any] = ()) -> Owned:
     """A buffer from a custom collective's own allocator (FSDP2's ``AllGather``/``ReduceScatter.allocate``):
     fullshard writes it and drops it when done, never resizes it (``plan.ownership``: ``*_pooled``)."""
-    return Owned(comm.allocate((numel,), dtype=dtype, device=device), what, TORCH_STORAGE, resizable=False)
+    return Owned(comm.allocate((numel,), dtype=dtype, device=device), what, TORCH_STORAGE, resizable=False,
+                 sources=sources)
 
 
-def adopt(tensor: torch.Tensor, what: str, working: bool = False) -> Owned:
-    """Take ownership of the result of an allocating op (a cast to another dtype, a cat).
+def copy_of(tensor: torch.Tensor, dtype: torch.dtype, device: torch.device, what: str,
+            kind: Kind = Kind.TRANSIENT) -> Owned:
+    """An owned copy of ``tensor`` in ``dtype`` on ``device``: allocated, then copied into, whatever
+    ``tensor.to()`` would have returned (for the same dtype, or a tensor subclass, ``to`` may return
+    ``tensor`` itself: the seed's bug)."""
+    owned = allocate(tuple(tensor.shape), dtype, device, what, kind, sources=(tensor,))
+    with torch.no_grad():
+        owned.tensor.copy_(tensor)
+    return owned
 
-    Callers reach here only on code paths the plan marks OWNED; the sanitizer
-    verifies the op really allocated.
-    """
-    return Owned(tensor, what, TORCH_STORAGE, working)
+
+def _copy(tensor: torch.Tensor, dtype: torch.dtype, device: torch.device, non_blocking: bool) -> torch.Tensor:
+    return tensor.to(device=device, dtype=dtype, non_blocking=non_blocking, memory_format=torch.contiguous_format,
+                     copy=True)
+
+
+def copy_out(tensor: torch.Tensor, dtype: torch.dtype, device: torch.device, what: str, non_blocking: bool = False
+             ) -> torch.Tensor:
+    """A contiguous copy of ``tensor`` to hand out (e.g. as a sharded gradient) before ``tensor``'s owned storage is
+    freed; the sanitizer checks it shares no storage with ``tensor``."""
+    copied = _copy(tensor, dtype, device, non_blocking)
+    core.check_fresh(TORCH_STORAGE, copied, (tensor,), what)
+    return copied
 
 
 def borrow(tensor: torch.Tensor, what: str) -> Borrowed:

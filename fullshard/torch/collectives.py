@@ -173,7 +173,8 @@ def gather_bucket(
             source = out.view(bucket.world, -1)[dist.get_rank(group)]
             _pack_local_chunks(source, bucket, params)
         else:
-            packed = buffers.allocate(bucket.chunk_numel, dtype, output.tensor.device, f"all-gather input of {label}")
+            packed = buffers.allocate(bucket.chunk_numel, dtype, output.tensor.device, f"all-gather input of {label}",
+                                      sources=[p.sharded._local_tensor for p in params])
             transient.append(packed)
             source = packed.writable("pack the all-gather input")
             _pack_local_chunks(source, bucket, params)
@@ -235,9 +236,11 @@ class PendingReduce:
                     chunk = out[start : start + layout.padded_chunk_numel].view(layout.padded_chunk_shape)
                     # An existing gradient is summed with the copy right away: it must have landed.
                     non_blocking = grad_copy_may_be_async(param.pin_memory, param.sharded.grad is not None)
-                    local = chunk.narrow(layout.dim, 0, layout.local_length(param.rank)).to(
-                        device=param.storage_device, dtype=param.stored_dtype, non_blocking=non_blocking,
-                        memory_format=torch.contiguous_format, copy=True,
+                    # out of the reduced buffer, which is reclaimed below
+                    local = buffers.copy_out(
+                        chunk.narrow(layout.dim, 0, layout.local_length(param.rank)), param.stored_dtype,
+                        param.storage_device, f"sharded gradient of '{param.fqn}' (copied out of {self.label})",
+                        non_blocking,
                     )
                 param.to_sharded_grad(local)
         if self.plan.sharded_grad is ShardedGrad.VIEW_OF_OUTPUT:
@@ -303,8 +306,9 @@ def reduce_bucket(
             source: Owned | Borrowed = buffers.borrow(grads[0].view(-1), f"gradient of {label}")
         else:
             what = f"reduce-scatter input of {label}"
-            source = (buffers.allocate_pooled(comm, bucket.total_numel, wire_dtype, device, what) if plan.input_pooled
-                      else buffers.allocate(bucket.total_numel, wire_dtype, device, what))
+            source = (buffers.allocate_pooled(comm, bucket.total_numel, wire_dtype, device, what, grads)
+                      if plan.input_pooled else buffers.allocate(bucket.total_numel, wire_dtype, device, what,
+                                                                 sources=grads))
             pack_rank_chunks(source.writable("pack the reduce-scatter input"), bucket, params, grads)
         present = [g is not None for g in grads]
         if all_reduce:
@@ -312,9 +316,12 @@ def reduce_bucket(
             if exchange is not Exchange.LOCAL:
                 traffic["all_reduce"] += source.nbytes
             return PendingReduce(work, [], source, bucket, plan, list(params), present, divide_factor, label)
-        output = buffers.allocate(bucket.chunk_numel, reduce_dtype, device, f"reduce-scatter output of {label}")
+        read = (*grads, source.tensor)  # what the reduction reads on this rank
+        output = buffers.allocate(bucket.chunk_numel, reduce_dtype, device, f"reduce-scatter output of {label}",
+                                  sources=read)
         scratch = [
-            buffers.allocate(bucket.chunk_numel, wire_dtype, device, f"reduce-scatter receive buffer of {label}")
+            buffers.allocate(bucket.chunk_numel, wire_dtype, device, f"reduce-scatter receive buffer of {label}",
+                             sources=read)
             for _ in range(reduce_scratch_chunks(exchange, dist.get_world_size(group)))
         ]
         work = transport.reduce_scatter(

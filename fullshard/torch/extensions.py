@@ -29,7 +29,7 @@ from fullshard.core.traffic import traffic
 from fullshard.plan import Exchange, exchange_tag
 from fullshard.torch import buffers
 from fullshard.torch import exchange as transport
-from fullshard.torch.buffers import Owned
+from fullshard.torch.buffers import Kind, Owned
 from fullshard.torch.collectives import wait
 from fullshard.torch.param import ShardedParam, contiguous_stride
 
@@ -114,7 +114,8 @@ def gather_extended(
     if not state.outputs:
         _check_padded(param, inputs, group)
         state.outputs = [
-            buffers.allocate(world * t.numel(), t.dtype, t.device, f"all-gather output {i} of {label}", working=True)
+            buffers.allocate(world * t.numel(), t.dtype, t.device, f"all-gather output {i} of {label}", Kind.WORKING,
+                             sources=inputs)
             for i, t in enumerate(inputs)
         ]
     works, borrowed = [], []

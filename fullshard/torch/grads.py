@@ -13,9 +13,9 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
-from fullshard.plan import plan_reduce
+from fullshard.plan import Accumulation, plan_reduce
 from fullshard.torch import checks
-from fullshard.torch.buffers import Owned
+from fullshard.torch.buffers import Kind, Owned
 from fullshard.torch.collectives import PendingReduce, all_reduce_in_place, reduce_bucket
 from fullshard.torch.group_plan import GroupPlan
 from fullshard.torch.param import ShardedParam, is_plain
@@ -71,10 +71,9 @@ class GradReducer:
         param = self.params[index]
         if checks.check_finite_enabled():
             checks.inspect(param.fqn, param.local_grad(param.unsharded.grad))
-        reduce_dtype = self.plan.reduce_dtype(param)
-        if not self.reduce_grads and param.compute_dtype != reduce_dtype:
+        if not self.reduce_grads and self.plan.accumulations[index] is Accumulation.OWNED:
             # Accumulating without sync: sum in the reduce dtype (e.g. fp32 for bf16 compute).
-            param.accumulate_grad_in(reduce_dtype, f"gradient accumulator of '{param.fqn}'")
+            param.accumulate_grad_in(self.plan.reduce_dtype(param), f"gradient accumulator of '{param.fqn}'")
         if self.on_grad is not None:
             self.on_grad()
 
@@ -133,6 +132,7 @@ class GradReducer:
                 output.writable("add the partial gradient sum").add_(partial.tensor)
             partial.reclaim()
         if not self.all_reduce_grads:
+            output.retag(Kind.MAIN_GRAD)  # kept across backward passes: gradient memory, not a transfer's
             self._partials[index] = output
             return False
         if self.replicas > 1:

@@ -13,7 +13,10 @@ import torch
 import torch.distributed as dist
 
 from fullshard.core.units import BucketNames
-from fullshard.plan import Exchange, GatherPlan, choose_exchange, exchange_tag, plan_buckets, plan_gather, wire_dtype
+from fullshard.plan import (
+    Accumulation, Exchange, GatherPlan, Unsharded, choose_exchange, exchange_tag, plan_accumulation, plan_buckets,
+    plan_gather, plan_replica, wire_dtype,
+)
 from fullshard.plan.exchange import EXCHANGE_ENV
 from fullshard.plan.layout import DEFAULT_FUSE_BELOW_NUMEL
 from fullshard.torch.param import ShardedParam
@@ -60,6 +63,12 @@ class GroupPlan(BucketNames):
             plan_gather(b, layouts, cast_needed=params[b.members[0]].converts_for_compute,
                         exchange=self.gather_exchange)
             for b in self.buckets
+        ]
+        # no_shard: what each replica computes with (nothing is gathered)
+        self.replica_plans: list[Unsharded] = [plan_replica(p.cast_needed) for p in params]
+        # where each parameter's gradients are summed while gradient sync is off
+        self.accumulations: list[Accumulation] = [
+            plan_accumulation(p.compute_dtype == self.reduce_dtype(p)) for p in params
         ]
         self._name_buckets()
 

@@ -17,7 +17,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from fullshard.torch import buffers
-from fullshard.torch.buffers import Owned
+from fullshard.torch.buffers import Kind, Owned
 from fullshard.plan import ShardLayout, stores_padded_chunk
 from fullshard.torch.spmd import ShardedSpec
 
@@ -193,11 +193,15 @@ class ShardedParam:
         return local if pre else None
 
     @property
+    def cast_needed(self) -> bool:
+        """Computing needs another dtype or device than the shard is stored in."""
+        return self.compute_dtype != self.stored_dtype or self.storage_device != self.device
+
+    @property
     def converts_for_compute(self) -> bool:
         """The shard must be cast, moved or unwrapped (a tensor subclass, which collectives cannot carry
         as it is) before it can be gathered for compute."""
-        return (self.compute_dtype != self.stored_dtype or self.storage_device != self.device
-                or not is_plain(self.sharded._local_tensor))
+        return self.cast_needed or not is_plain(self.sharded._local_tensor)
 
     def local_shard(self) -> torch.Tensor:
         return self.sharded.to_local()
@@ -303,11 +307,11 @@ class ShardedParam:
         grad, self.unsharded.grad = self.local_grad(self.unsharded.grad), None
         if grad is None:
             return
+        if self.grad_accumulator is None:
+            self.grad_accumulator = buffers.copy_of(grad, dtype, grad.device, label, Kind.MAIN_GRAD)
+            return
         with torch.no_grad():
-            if self.grad_accumulator is None:
-                self.grad_accumulator = buffers.adopt(grad.to(dtype), label)  # a real cast: allocates
-            else:
-                self.grad_accumulator.writable("accumulate a gradient").add_(grad)
+            self.grad_accumulator.writable("accumulate a gradient").add_(grad)
 
     def __repr__(self) -> str:
         return f"ShardedParam({self.fqn}, shape={self.layout.shape}, dim={self.layout.dim})"

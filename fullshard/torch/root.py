@@ -15,6 +15,7 @@ import torch.distributed as dist
 from torch.autograd import Variable
 from torch.profiler import record_function
 
+from fullshard.core.agreement import check_ranks_agree
 from fullshard.core.phases import TrainingPhase
 from fullshard.plan.strategy import AfterBackward
 from fullshard.torch import checks
@@ -169,33 +170,32 @@ class RootContext:
             )
 
     def check_ranks_agree(self) -> None:
-        """Fail at the first step, not hang later, if ranks wrapped different models."""
+        """Fail at the first step, not hang later, if ranks wrapped different models: every group of the mesh
+        (shard, replicas, tensor parallel) compares a fixed-size fingerprint (``fullshard.core.agreement``)."""
         groups = self.groups
         if not groups:
             return
-        layout = [
-            (p.fqn, p.layout.shape, p.layout.dim, str(p.stored_dtype), str(p.compute_dtype), p.requires_grad)
+        rows = [
+            (p.fqn, tuple(p.spec.shape), p.layout.dim, str(p.stored_dtype), str(p.compute_dtype), p.requires_grad,
+             repr(p.placements))
             for group in groups for p in group.params
         ]
         # Ranks that move bytes differently (FULLSHARD_EXCHANGE set on some only) would wait on each other forever.
-        layout += [(f"exchange of module '{group.module_name}'", group.plan.exchange.value) for group in groups]
-        process_group = groups[0].process_group
-        if dist.get_world_size(process_group) == 1:
-            return  # nobody to disagree with
-        everyone: list = [None] * dist.get_world_size(process_group)
-        dist.all_gather_object(everyone, layout, group=process_group)
-        for rank, other in enumerate(everyone):
-            if other != layout:
-                mine, theirs = _first_difference(layout, other)
-                raise RuntimeError(
-                    f"fully_shard: rank {dist.get_rank()} and group rank {rank} wrapped different models "
-                    f"(first difference: {mine} here vs {theirs} there); every rank must build the same "
-                    "model, apply fully_shard the same way and set FULLSHARD_EXCHANGE alike (or nowhere)"
-                )
+        rows += [(f"exchange of module '{group.module_name}'", group.plan.exchange.value) for group in groups]
+        sample = groups[0].params[0]
+        mesh, device = sample.mesh, sample.device
+        names = mesh.mesh_dim_names or tuple(f"mesh dim {d}" for d in range(mesh.ndim))
 
+        def summing(process_group):
+            def sum_over_group(values: list[float]) -> list[float]:
+                buffer = torch.tensor(values, dtype=torch.float32, device=device)
+                dist.all_reduce(buffer, group=process_group)
+                return buffer.tolist()
+            return sum_over_group
 
-def _first_difference(mine: list, theirs: list) -> tuple:
-    for a, b in zip(mine, theirs):
-        if a != b:
-            return a, b
-    return (f"{len(mine)} parameters", f"{len(theirs)} parameters")
+        check_ranks_agree(
+            rows,
+            [(names[d], mesh.size(d), summing(mesh.get_group(d))) for d in range(mesh.ndim)],
+            "every rank must build the same model, apply fully_shard the same way and set FULLSHARD_EXCHANGE alike "
+            "(or nowhere)",
+        )

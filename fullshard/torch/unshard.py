@@ -24,10 +24,10 @@ import torch.distributed as dist
 
 from fullshard.plan import Unsharded
 from fullshard.torch import buffers
-from fullshard.torch.buffers import Owned
+from fullshard.torch.buffers import Kind, Owned
 from fullshard.torch.collectives import PendingGather, gather_bucket, pack_rank_chunks
 from fullshard.torch.extensions import ExtensionState, gather_extended
-from fullshard.torch.group_plan import GroupPlan
+from fullshard.torch.group_plan import GroupPlan, dtype_name
 from fullshard.torch.param import ShardedParam
 
 
@@ -126,19 +126,20 @@ class Unsharder:
         self.state = GroupState.UNSHARDING
 
     def _unshard_replicated(self) -> None:
-        """no_shard: the unsharded parameter is the replica itself, or an owned cast of it."""
-        for param in self.params:
+        """no_shard: the unsharded parameter is the replica itself, or an owned copy of it (``plan_replica``)."""
+        for param, how in zip(self.params, self.plan.replica_plans):
             local = param.local_shard()
-            if not param.converts_for_compute:
+            if how is Unsharded.REPLICA:
                 # Borrowed: the replica's own storage, never reclaimed. Made once per adoption of
                 # the sharded parameter (a replaced one clears it: ParamGroup.refresh_sharded).
                 if param.unsharded is None:
                     self._make_unsharded(param, local)
                 continue
             if param.unsharded_storage is None:
-                param.unsharded_storage = buffers.adopt(
-                    local.to(param.device, param.compute_dtype),
-                    f"{param.compute_dtype} copy of '{param.fqn}' of module '{self.plan.module_name}'", working=True,
+                param.unsharded_storage = buffers.copy_of(
+                    local, param.compute_dtype, param.device,
+                    f"{dtype_name(param.compute_dtype)} copy of replica '{param.fqn}' of module '{self.plan.module_name}'",
+                    Kind.WORKING,
                 )
                 self._make_unsharded(param, param.unsharded_storage.tensor)
             else:
@@ -151,11 +152,12 @@ class Unsharder:
         plan = self.plan
         bucket, gather = plan.buckets[index], plan.gather_plans[index]
         dtype = members[0].compute_dtype
+        shards = [p.sharded._local_tensor for p in members]  # what the gather reads on this rank
         if gather.unsharded is Unsharded.VIEW_OF_OUTPUT:
             output = self._view_outputs[index]
             if output is None:
                 output = buffers.allocate(
-                    bucket.total_numel, dtype, device, f"unsharded {plan.labels[index]}", working=True
+                    bucket.total_numel, dtype, device, f"unsharded {plan.labels[index]}", Kind.WORKING, shards
                 )
                 self._view_outputs[index] = output
                 param = members[0]
@@ -167,15 +169,15 @@ class Unsharder:
             if param.unsharded_storage is None:
                 param.unsharded_storage = buffers.allocate(
                     param.layout.shape, dtype, device,
-                    f"unsharded parameter '{param.fqn}' of module '{plan.module_name}'", working=True,
+                    f"unsharded parameter '{param.fqn}' of module '{plan.module_name}'", Kind.WORKING, shards,
                 )
                 self._make_unsharded(param, param.unsharded_storage.tensor)
             else:
                 param.unsharded_storage.regrow()
         what = f"all-gather output of {plan.labels[index]}"
         if gather.output_pooled:
-            return buffers.allocate_pooled(plan.custom_all_gather, bucket.total_numel, dtype, device, what)
-        return buffers.allocate(bucket.total_numel, dtype, device, what)
+            return buffers.allocate_pooled(plan.custom_all_gather, bucket.total_numel, dtype, device, what, shards)
+        return buffers.allocate(bucket.total_numel, dtype, device, what, sources=shards)
 
     def _make_unsharded(self, param: ShardedParam, data: torch.Tensor) -> None:
         param.make_unsharded(data)
@@ -238,7 +240,7 @@ class Unsharder:
                 members = plan.members(index)
                 kept = buffers.allocate(
                     span * bucket.chunk_numel, members[0].compute_dtype, members[0].device,
-                    f"post-forward chunks of {plan.labels[index]}",
+                    f"post-forward chunks of {plan.labels[index]}", sources=[p.unsharded_data for p in members],
                 )
                 pack_rank_chunks(kept.writable("keep chunks after forward"), bucket, members,
                                  [p.unsharded_data for p in members], ranks)
