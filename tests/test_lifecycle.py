@@ -1,0 +1,353 @@
+"""The unit lifecycle (``fullshard.core.lifecycle``) on plain objects: a fake runtime records every framework
+operation the rules ask for, in order, so each rule is checked without a framework or a process."""
+import threading
+
+import pytest
+
+from fullshard.core.lifecycle import (
+    STATE_ATTR, TRANSITIONS, GatherState, Group, Root, TrainingPhase, Unit, distinct_units,
+)
+from fullshard.plan.strategy import AfterBackward, Strategy
+
+_active = threading.local()
+
+
+class FakeGroup(Group):
+    def __init__(self, name: str, log: list, after_backward=AfterBackward.RESHARD) -> None:
+        super().__init__(after_backward)
+        self.name, self.log = name, log
+        self.grads = 0  # gradients arrived since the last reduction
+        self.changed = False
+
+    def _record(self, what: str) -> None:
+        self.log.append(f"{what} {self.name}")
+
+    def _start_gather(self):
+        self._record("gather")
+
+    def _finish_gather(self):
+        self._record("wait")
+
+    def _free(self, keep_post_forward_chunks):
+        self._record("free-keeping-chunks" if keep_post_forward_chunks else "free")
+
+    def _keep(self):
+        self._record("keep")
+
+    def _keep_for_backward(self):
+        self._record("hold-for-backward")
+
+    def _shards_changed(self):
+        return self.changed
+
+    def _drop_post_forward_chunks(self):
+        pass
+
+    def _abandon_gathers(self):
+        self._record("abandon-gathers")
+
+    def has_pending_grads(self):
+        return self.grads > 0
+
+    def _start_reduce(self):
+        self._record("reduce")
+        self.grads = 0
+        group = self
+
+        class Pending:
+            def finish(self):
+                group._record("reduced")
+
+            def abandon(self):
+                group._record("reduction-dropped")
+
+        return [Pending()]
+
+    def _abandon_grads(self):
+        self.grads = 0
+        self._record("drop-grads")
+
+    def rename(self, name):
+        pass
+
+
+class FakeRoot(Root):
+    def __init__(self, root) -> None:
+        super().__init__(root)
+        self.callbacks = []
+
+    def _queue_end_of_backward(self):
+        self.callbacks.append(self.end_of_backward)
+
+    def check_ranks_agree(self):
+        pass
+
+
+class Module:
+    """A module that fully_shard made a unit of; children are modules below it."""
+
+    def __init__(self, *children) -> None:
+        self.children = children
+
+
+class FakeUnit(Unit):
+    root_class, active = FakeRoot, _active
+
+    def __init__(self, module, groups, strategy=Strategy.OPTIM_GRADS_PARAMS, reshard_after_forward=None):
+        super().__init__(groups, strategy, reshard_after_forward, module_count=1)
+        self.module = module
+        setattr(module, STATE_ATTR, self)
+
+    @property
+    def name(self):
+        return self.groups[0].name if self.groups else "empty"
+
+    def _named_submodules(self):
+        def walk(module, path):
+            yield path, module
+            for index, child in enumerate(module.children):
+                yield from walk(child, f"{path}.{index}" if path else str(index))
+        return walk(self.module, "")
+
+
+def model(log, strategy=Strategy.OPTIM_GRADS_PARAMS, after=AfterBackward.RESHARD, **kwargs):
+    """A root with two blocks, each a unit of one group."""
+    blocks = [Module(), Module()]
+    root_module = Module(*blocks)
+    units = [FakeUnit(b, [FakeGroup(f"block{i}", log, after)], strategy, **kwargs) for i, b in enumerate(blocks)]
+    root = FakeUnit(root_module, [FakeGroup("root", log, after)], strategy, **kwargs)
+    return root, units
+
+
+def forward(root, blocks, needs_grad=True):
+    """The hooks a runtime calls around a forward of root(block0(...), block1(...))."""
+    assert root.enter_root_forward()
+    root.pre_forward(prefetch=True)
+    for block in blocks:
+        block.ensure_context()
+        block.pre_forward(prefetch=True)
+        block.post_forward(block.module, needs_grad, in_backward=False)
+    root.post_forward(root.module, needs_grad, in_backward=False)
+    root.leave_root_forward()
+
+
+def backward(root, blocks, grads=True, end=True):
+    """Autograd reaches the root's outputs first, then the last block, ..., then the end-of-backward callback."""
+    for unit in [root, *reversed(blocks)]:
+        unit.pre_backward()
+        if grads:
+            for group in unit.groups:
+                group.grads += 1
+        unit.post_backward()
+    if end:
+        end_backward(root)
+
+
+def end_backward(root):
+    for callback in root.context.callbacks:
+        callback()
+    root.context.callbacks.clear()
+
+
+def test_zero3_step_gathers_twice_reduces_per_unit_and_reshards_everything():
+    log = []
+    root, blocks = model(log)
+    forward(root, blocks)
+    assert log[:8] == ["gather root", "wait root", "gather block0", "wait block0", "free-keeping-chunks block0",
+                       "gather block1", "wait block1", "free-keeping-chunks block1"]
+    assert all(g.state is GatherState.SHARDED for b in blocks for g in b.groups)
+    assert root.groups[0].state is GatherState.UNSHARDED  # the root does not reshard after forward
+    log.clear()
+    backward(root, blocks)
+    # the root's backward prefetches block1's gather, block1's prefetches block0's; each unit reduces after its
+    # backward, keeping one unit's reductions in flight
+    assert log == ["gather block1", "reduce root", "free root", "gather block0", "wait block1", "reduced root",
+                   "reduce block1", "free block1", "wait block0", "reduced block1", "reduce block0", "free block0",
+                   "reduced block0"]
+    assert all(u.phase is TrainingPhase.IDLE and u.groups[0].state is GatherState.SHARDED for u in [root, *blocks])
+
+
+def test_the_second_forward_prefetches_the_next_unit():
+    log = []
+    root, blocks = model(log)
+    forward(root, blocks)
+    backward(root, blocks)
+    log.clear()
+    forward(root, blocks)
+    assert log == ["gather root", "gather block0", "wait root", "gather block1", "wait block0",
+                   "free-keeping-chunks block0", "wait block1", "free-keeping-chunks block1", "hold-for-backward root"]
+
+
+def test_zero2_keeps_the_storage_and_gathers_again_after_the_optimizer():
+    log = []
+    root, blocks = model(log, Strategy.OPTIM_GRADS, AfterBackward.KEEP_STORAGE)
+    forward(root, blocks)
+    assert "free block0" not in log and all(b.groups[0].state is GatherState.UNSHARDED for b in blocks)
+    backward(root, blocks)
+    assert log[-3:] == ["keep root", "keep block0", "keep block1"]
+    log.clear()
+    forward(root, blocks)
+    assert log.count("gather block0") == 1  # the shards changed: gathered again into the kept storage
+
+
+def test_zero1_reduces_every_unit_once_at_the_end_of_backward_in_reverse_order():
+    log = []
+    root, blocks = model(log, Strategy.OPTIM, AfterBackward.KEEP_STORAGE)
+    forward(root, blocks)
+    log.clear()
+    backward(root, blocks, end=False)
+    assert not [entry for entry in log if entry.startswith("reduce")]  # nothing while backward runs
+    end_backward(root)
+    assert [entry for entry in log if entry.startswith("reduce ")] == ["reduce block1", "reduce block0", "reduce root"]
+
+
+def test_a_forward_without_grad_reshards_and_no_backward_is_expected():
+    log = []
+    root, blocks = model(log)
+    forward(root, blocks, needs_grad=False)
+    assert "free block0" in log and "keep root" in log  # the root, too, shows its shards again (storage kept)
+    assert root.forwards_with_grad == 0 and root.context.end_of_backward_queued is False
+
+
+def test_accumulating_without_sync_keeps_gathered_copies_across_forwards():
+    log = []
+    root, blocks = model(log, Strategy.OPTIM_GRADS, AfterBackward.KEEP_STORAGE)
+    for unit in [root, *blocks]:
+        for group in unit.groups:
+            group.reduce_grads = False
+    forward(root, blocks)
+    backward(root, blocks)
+    assert not [e for e in log if e.startswith("reduce")]
+    log.clear()
+    forward(root, blocks)
+    assert not [e for e in log if e.startswith("gather")], "copies kept while gradients accumulate"
+
+
+def test_shards_written_since_the_gather_are_gathered_again_even_when_kept():
+    log = []
+    root, blocks = model(log, Strategy.OPTIM_GRADS, AfterBackward.KEEP_STORAGE)
+    root.groups[0].unshard_now()
+    root.groups[0].changed = True
+    root.groups[0].unshard()
+    assert log[-2:] == ["keep root", "gather root"]
+
+
+def test_explicit_unshard_serves_the_next_forward_only():
+    log = []
+    root, blocks = model(log)
+    forward(root, blocks)
+    backward(root, blocks)
+    group = blocks[0].groups[0]
+    group.unshard_now()
+    group.keep_for_next_forward = True
+    log.clear()
+    forward(root, blocks)
+    assert "gather block0" not in log and "free-keeping-chunks block0" in log  # used, then resharded by policy
+    assert group.keep_for_next_forward is False
+
+
+def test_held_unshard_survives_forward_and_backward_until_reshard():
+    log = []
+    root, blocks = model(log)
+    group = blocks[1].groups[0]
+    group.unshard_now()
+    group.held = True
+    forward(root, blocks)
+    backward(root, blocks)
+    assert "free-keeping-chunks block1" not in log and group.state is GatherState.SHARDED  # RESHARD after backward
+    group.unshard_now()
+    group.held = True
+    group.reshard()
+    assert group.held is False and log[-1] == "free block1"
+
+
+def test_reshard_after_backward_false_keeps_parameters_gathered_for_the_next_forward():
+    log = []
+    root, blocks = model(log, after=AfterBackward.KEEP_GATHERED)
+    forward(root, blocks)
+    backward(root, blocks)
+    assert all(u.groups[0].keep_for_next_forward for u in [root, *blocks])
+
+
+def test_reduce_unused_params_units_reduce_at_the_end_of_backward_in_module_order():
+    log = []
+    root, blocks = model(log)
+    for unit in [root, *blocks]:
+        unit.groups[0].reduce_unused_params = True
+    forward(root, blocks)
+    log.clear()
+    backward(root, blocks, grads=False)  # this rank's branch gave no gradients
+    assert [e for e in log if e.startswith("reduce ")] == ["reduce root", "reduce block0", "reduce block1"]
+
+
+def test_gradients_that_came_late_are_reduced_at_the_end_of_backward():
+    log = []
+    root, blocks = model(log)
+    forward(root, blocks)
+    backward(root, blocks, grads=False)
+    assert not [e for e in log if e.startswith("reduce")]
+    forward(root, blocks)
+    for unit in [root, *reversed(blocks)]:
+        unit.pre_backward()
+        unit.post_backward()  # nothing pending yet
+    blocks[0].groups[0].grads = 1  # e.g. a unit whose inputs need no gradient
+    root.context.callbacks[0]()
+    assert "reduce block0" in log and "reduced block0" in log
+
+
+def test_abandoning_a_step_drops_reductions_and_shows_the_shards():
+    log = []
+    root, blocks = model(log)
+    forward(root, blocks)
+    root.pre_backward()
+    root.groups[0].grads = 1
+    root.post_backward()
+    blocks[1].pre_backward()
+    root.reset_step()
+    assert "reduction-dropped root" in log and "drop-grads block1" in log
+    assert all(u.phase is TrainingPhase.IDLE and u.groups[0].state is GatherState.SHARDED for u in [root, *blocks])
+    assert root.context.end_of_backward_queued is False
+
+
+def test_a_forward_from_another_thread_during_backward_is_refused_and_the_same_thread_starts_clean():
+    log = []
+    root, blocks = model(log)
+    forward(root, blocks)
+    root.pre_backward()
+    errors = []
+    thread = threading.Thread(target=lambda: _catch(errors, root.context.check_not_in_backward, "Model"))
+    thread.start()
+    thread.join()
+    assert errors and "another thread" in errors[0]
+    root.context.check_not_in_backward("Model")  # the forward's own thread: the backward raised; start clean
+    assert root.context.end_of_backward_queued is False and root.phase is TrainingPhase.IDLE
+
+
+def _catch(errors, fn, *args):
+    try:
+        fn(*args)
+    except RuntimeError as error:
+        errors.append(str(error))
+
+
+def test_a_root_adopts_the_units_below_it_once_and_a_disagreement_undoes_it():
+    log = []
+    root, blocks = model(log)
+
+    class Disagreeing(FakeRoot):
+        def check_ranks_agree(self):
+            raise RuntimeError("ranks differ")
+
+    root.root_class = Disagreeing
+    with pytest.raises(RuntimeError, match="ranks differ"):
+        root.lazy_init_as_root()
+    assert all(u.context is None for u in [root, *blocks])
+    root.root_class = FakeRoot
+    context = root.lazy_init_as_root()
+    assert context.units == [root, *blocks] and all(b.is_root is False for b in blocks)
+    assert distinct_units([root.module, blocks[0].module, blocks[0].module]) == [root, blocks[0]]
+
+
+def test_every_transition_is_a_move_between_named_phases():
+    phases = {phase for move in TRANSITIONS for phase in (move[0], move[2])}
+    assert phases == set(TrainingPhase)
