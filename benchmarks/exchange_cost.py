@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from fullshard.plan import Exchange, reduce_scratch_chunks
-from fullshard.torch import exchange
+from fullshard.torch import collectives
 
 
 def other_threads_cpu_s() -> float:
@@ -69,10 +69,10 @@ def main() -> None:
     backend_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     backend_reduce = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
     _measure("reduce-scatter: gloo collective", lambda: backend_reduce(reduced, full), args.repetitions)
-    _measure("reduce-scatter: pairwise sends (fullshard)", lambda: exchange.reduce_scatter(
+    _measure("reduce-scatter: pairwise sends (fullshard)", lambda: collectives.reduce_scatter(
         Exchange.PAIRWISE, reduced, full, None, tag=1, scratch=scratch).wait(), args.repetitions)
     _measure("all-gather: gloo collective", lambda: backend_gather(gathered, shard), args.repetitions)
-    _measure("all-gather: pairwise sends (fullshard)", lambda: exchange.all_gather(
+    _measure("all-gather: pairwise sends (fullshard)", lambda: collectives.all_gather(
         Exchange.PAIRWISE, gathered, shard, None, tag=2).wait(), args.repetitions)
     _measure("all-reduce: gloo collective (DDP)", lambda: dist.all_reduce(full), args.repetitions)
     dist.destroy_process_group()

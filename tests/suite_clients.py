@@ -149,7 +149,7 @@ def found_as_torch_fsdp_modules():
     assert isinstance(projector.weight, DTensor)
     with pytest.warns(FutureWarning, match="set_gradient_divide_factor"):
         model.set_reduce_scatter_divide_factor(2.0)
-    assert model.layers[0]._fullshard_state.group.reducer.divide_factor == 2.0
+    assert model.layers[0]._fullshard_state.group.divide_factor == 2.0
     model.set_force_sum_reduction_for_comms(True)
 
     # Slicing a sharded Sequential builds the original class, as in FSDP2.
@@ -248,7 +248,7 @@ def embedding_not_gathered_for_backward():
     def wrap(model):
         fully_shard(model.embed, mesh=mesh)
         model.embed.set_unshard_in_backward(False)
-        group = model.embed._fullshard_state.group.unsharder
+        group = model.embed._fullshard_state.group
         unshard = group.unshard
 
         def counting_unshard():

@@ -276,7 +276,7 @@ def implicit_prefetch_in_forward_and_backward():
     Backward starts in the root (the head, after the last block in forward),
     so the root prefetches the last block, not the first.
     """
-    from fullshard.torch.unshard import GroupState
+    from fullshard.core.lifecycle import GatherState
 
     mesh = mesh_1d()
     model = shard_blocks_then_root(build_gpt(), mesh=mesh)
@@ -304,9 +304,9 @@ def implicit_prefetch_in_forward_and_backward():
     layers[1].attn.register_forward_hook(hook_attention_output)
     model.ln_f.register_forward_hook(hook_final_norm_output)
     model(tokens).sum().backward()
-    assert seen["forward"] is not GroupState.SHARDED, seen
-    assert seen["backward"] is not GroupState.SHARDED, seen
-    assert seen["head_backward"] is not GroupState.SHARDED, seen
+    assert seen["forward"] is not GatherState.SHARDED, seen
+    assert seen["backward"] is not GatherState.SHARDED, seen
+    assert seen["head_backward"] is not GatherState.SHARDED, seen
     return {k: v.value for k, v in seen.items()}
 
 

@@ -20,7 +20,7 @@ from fullshard import MixedPrecisionPolicy
 from fullshard.torch import buffers
 from fullshard.plan import Exchange, exchange_tag, reduce_scratch_chunks
 from fullshard.plan.exchange import EXCHANGE_ENV
-from fullshard.torch import exchange
+from fullshard.torch import collectives
 from tests.parity import build_gpt, gpt_batch, gpt_loss, mesh_1d, run_parity, shard_blocks_then_root
 
 
@@ -42,7 +42,7 @@ def _groups() -> list:
 
 def _pairwise_reduce_scatter(output, input, group, tag):
     scratch = [torch.empty_like(output) for _ in range(reduce_scratch_chunks(Exchange.PAIRWISE, dist.get_world_size(group)))]
-    return exchange.reduce_scatter(Exchange.PAIRWISE, output, input, group, tag, scratch)
+    return collectives.reduce_scatter(Exchange.PAIRWISE, output, input, group, tag, scratch)
 
 
 def pairwise_equals_backend_collectives():
@@ -55,7 +55,7 @@ def pairwise_equals_backend_collectives():
                 expected = torch.empty(n * chunk, dtype=dtype)
                 dist.all_gather_into_tensor(expected, shard, group=group)
                 gathered = torch.full((n * chunk,), float("nan"), dtype=dtype)
-                exchange.all_gather(Exchange.PAIRWISE, gathered, shard, group, tag=11).wait()
+                collectives.all_gather(Exchange.PAIRWISE, gathered, shard, group, tag=11).wait()
                 assert torch.equal(gathered, expected), (n, dtype, chunk)
 
                 full = _integer_valued(n * chunk, dtype, salt=chunk + 1)
@@ -75,7 +75,7 @@ def all_gather_in_place_sends_this_ranks_row():
     output = torch.full((n * 6,), float("nan"))
     own = output.view(n, -1)[rank]
     own.copy_(torch.arange(6.0) + 10 * rank)
-    exchange.all_gather(Exchange.PAIRWISE, output, own, None, tag=13, input_in_place=True).wait()
+    collectives.all_gather(Exchange.PAIRWISE, output, own, None, tag=13, input_in_place=True).wait()
     assert torch.equal(output, torch.cat([torch.arange(6.0) + 10 * r for r in range(n)]))
     return True
 
@@ -209,7 +209,7 @@ def narrow_gradients_are_summed_widened():
             dist.reduce_scatter_tensor(expected, full.float(), group=group)  # cast first, then sum in fp32
             reduced = torch.full((chunk,), float("nan"))
             scratch = [torch.empty(chunk, dtype=torch.bfloat16) for _ in range(reduce_scratch_chunks(Exchange.PAIRWISE, n))]
-            exchange.reduce_scatter(Exchange.PAIRWISE, reduced, full, group, 14, scratch).wait()
+            collectives.reduce_scatter(Exchange.PAIRWISE, reduced, full, group, 14, scratch).wait()
             assert torch.equal(full, snapshot), "the bf16 input was written"
             if n == 2:  # two terms: the same sum whatever the order, bit for bit
                 assert torch.equal(reduced, expected), chunk

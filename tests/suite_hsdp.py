@@ -65,7 +65,7 @@ def suite():
 
 def reshard_after_forward_to_smaller_group():
     """reshard_after_forward=2 on 4 ranks: backward all-gathers within pairs, from half-size kept chunks."""
-    import fullshard.torch.exchange as exchange
+    import fullshard.torch.collectives as collectives
     from fullshard.torch.buffers import comm_bytes
     from tests.parity import mesh_1d
 
@@ -73,7 +73,7 @@ def reshard_after_forward_to_smaller_group():
     run_parity(build_gpt, lambda m: shard_blocks_then_root(m, mesh=mesh, reshard_after_forward=2))
     run_parity(build_gpt, lambda m: shard_blocks_then_root(m, mesh=mesh, reshard_after_forward=2),
                micro_batches=2, global_batch=8)
-    sizes, original = [], exchange.all_gather
+    sizes, original = [], collectives.all_gather
 
     def recording(kind, out, inp, group, *args, **kwargs):
         sizes.append(dist.get_world_size(group))
@@ -81,7 +81,7 @@ def reshard_after_forward_to_smaller_group():
 
     gc.collect()
     model = shard_blocks_then_root(build_gpt(), mesh=mesh, reshard_after_forward=2)
-    exchange.all_gather = recording
+    collectives.all_gather = recording
     try:
         before = comm_bytes()["live"]
         loss = gpt_loss(model, gpt_batch(0, 4))
@@ -89,7 +89,7 @@ def reshard_after_forward_to_smaller_group():
         forward_sizes, sizes[:] = list(sizes), []
         loss.backward()
     finally:
-        exchange.all_gather = original
+        collectives.all_gather = original
     full_bytes = sum(p.numel() * 4 for p in model.parameters())
     assert set(forward_sizes) == {4} and set(sizes) == {2}, (forward_sizes, sizes)
     # every unit (the root too: the int was passed to it explicitly) keeps the chunks of 2 of 4 ranks

@@ -15,7 +15,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
 
-from fullshard.core.phases import TrainingPhase
+from fullshard.core.lifecycle import TrainingPhase
 from fullshard.plan.strategy import Strategy
 from tests.parity import build_gpt, gpt_batch, mesh_1d, run_parity, shard_blocks_then_root
 
@@ -207,11 +207,10 @@ def phases_and_profiler_labels():
     ``torch.profiler.record_function`` label naming the phase and the module, which is what a profiler
     trace shows. (The labels are recorded through a stand-in for ``record_function``: kineto's profiler
     itself sometimes aborts a multi-process worker at exit.)"""
-    import fullshard.torch.root as root_module
-    import fullshard.torch.state as state_module
+    import fullshard.torch.unit as unit_module
 
     names = set()
-    real = state_module.record_function
+    real = unit_module.record_function
 
     def recording(name):
         names.add(name)
@@ -223,11 +222,11 @@ def phases_and_profiler_labels():
     seen = []
     block.modules[0].register_forward_pre_hook(lambda *_: seen.append(block.phase))  # runs after fullshard's
     tokens = gpt_batch(0, 2)[0]
-    state_module.record_function = root_module.record_function = recording
+    unit_module.record_function = recording
     try:
         model(tokens).sum().backward()
     finally:
-        state_module.record_function = root_module.record_function = real
+        unit_module.record_function = real
     assert seen == [TrainingPhase.FORWARD], seen
     assert block.phase is TrainingPhase.IDLE
     for expected in ("fullshard::pre-forward all-gather (layers.0)", "fullshard::forward reshard (layers.0)",

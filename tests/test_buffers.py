@@ -144,7 +144,7 @@ class _Work:
 def test_abandoned_reduction_frees_only_idle_buffers(fails):
     """After a collective's wait() raised, a backend thread may still write into its buffers: they
     are dropped (the storage goes with its last reference), never resized. Idle ones are reclaimed."""
-    from fullshard.torch.collectives import PendingReduce
+    from fullshard.torch.buckets import PendingReduce
 
     before = buffers.comm_bytes()["live"]
     output = buffers.allocate(8, torch.float32, torch.device("cpu"), "reduce-scatter output")

@@ -10,7 +10,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from fullshard.plan import ShardLayout, plan_buckets
-from fullshard.torch.collectives import _pack_local_chunks, pack_rank_chunks, unpack_rank_chunks
+from fullshard.torch.buckets import _pack_local_chunks, pack_rank_chunks, unpack_rank_chunks
 
 
 class CountOps(TorchDispatchMode):

@@ -33,7 +33,7 @@ from typing import Any, Iterable, Iterator, Optional
 
 from fullshard.plan.strategy import AfterBackward, Lifecycle, lifecycle
 
-STATE_ATTR = "_fullshard_state"
+STATE_ATTR = "_fullshard_state"  # where a module or cell keeps its unit
 
 
 class TrainingPhase(enum.Enum):

@@ -12,9 +12,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, Iterable, Optional
 
-from fullshard.core.phases import TrainingPhase
-
-STATE_ATTR = "_fullshard_state"
+from fullshard.core.lifecycle import STATE_ATTR, TrainingPhase
 
 Named = Iterable[tuple[str, Any]]
 
@@ -70,6 +68,14 @@ def distinct_states(modules: Iterable[Any]) -> list[Any]:
             seen.add(id(state))
             states.append(state)
     return states
+
+
+def configure_groups(units: Iterable[Any], values: dict[str, Any]) -> None:
+    """Set ``values`` on every group of ``units`` (a runtime whose groups hold every setting)."""
+    for unit in units:
+        for group in unit.groups:
+            for name, value in values.items():
+                setattr(group, name, value)
 
 
 def configure(states: Iterable[Any], part: str, values: dict[str, Any]) -> None:

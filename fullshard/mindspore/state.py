@@ -1,4 +1,4 @@
-"""Per-``fully_shard`` state: the Cell hooks that move a unit through its phases (``fullshard.core.phases``).
+"""Per-``fully_shard`` state: the Cell hooks that move a unit through its phases (``fullshard.core.lifecycle``).
 
 Life of a unit in one step (ZeRO-3), inside ``value_and_grad``:
 
@@ -21,7 +21,7 @@ from typing import Any, Iterator, Optional
 
 from mindspore import Tensor, nn
 
-from fullshard.core.phases import TrainingPhase
+from fullshard.core.lifecycle import TrainingPhase
 from fullshard.core.units import RootedUnit, named_under
 from fullshard.core.trees import map_leaves
 from fullshard.mindspore.autograd import recording

@@ -89,7 +89,7 @@ def memory_report(model: nn.Module, optimizer: Optional[torch.optim.Optimizer] =
         sample = group.params[0]
         # what gradients travel in: the reduce dtype, or narrower on the pairwise exchange
         wire = group.plan.gradient_wire_dtype(sample.compute_dtype, group.plan.reduce_dtype(sample),
-                                              group.reducer.all_reduce, group.reducer.accumulated_without_sync)
+                                              group.replicated, group.accumulated_without_sync)
         report["strategy"] = strategy.value
         theory = report_theory(
             strategy, group.world, [sum(p.layout.numel for p in s.group.params) for s in states if s.group is not None],

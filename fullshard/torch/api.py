@@ -26,7 +26,7 @@ from fullshard.torch.group import ParamGroup
 from fullshard.torch.module import FSDP_CLASSES, FSDPModule, UnshardHandle, register_fsdp_forward_method  # noqa: F401
 from fullshard.torch.param import ShardedParam
 from fullshard.torch.spmd import data_parallel_mesh, sharded_spec
-from fullshard.torch.state import ShardState
+from fullshard.torch.unit import ShardedUnit
 
 # Parameters already taken over by some fully_shard call (the originals and
 # their sharded replacements) carry this attribute: a parameter shared with a
@@ -258,8 +258,8 @@ def fully_shard(
             after_backward=AfterBackward.RESHARD if flags.reshard_after_backward else AfterBackward.KEEP_STORAGE,
         )
         if post_forward_size is not None:
-            group.unsharder.post_forward_group = _post_forward_group(mesh, dp.shard_dim, post_forward_size)
-    state = ShardState(modules, group, mp, reshard_after_forward, strategy)
+            group.post_forward_group = _post_forward_group(mesh, dp.shard_dim, post_forward_size)
+    state = ShardedUnit(modules, group, mp, reshard_after_forward, strategy)
     for m in modules:
         setattr(m, STATE_ATTR, state)
         fsdp2_views.expose(m, state)
@@ -270,7 +270,7 @@ def fully_shard(
     return module
 
 
-def _state(module: nn.Module) -> Optional[ShardState]:
+def _state(module: nn.Module) -> Optional[ShardedUnit]:
     """``fully_shard.state(module)``: fullshard's state of a sharded module (None for any other), as FSDP2's
     ``fully_shard.state`` gives its own."""
     return getattr(module, STATE_ATTR, None)

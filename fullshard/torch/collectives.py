@@ -1,333 +1,161 @@
-"""All-gather and reduce-scatter of one bucket, carrying out the ownership plan.
+"""All-gather and reduce-scatter over a process group, the way ``fullshard.plan.exchange`` chose.
 
-Each function issues its collective asynchronously and returns a pending
-object whose ``finish()`` waits and completes the work (copy-out, gradient
-installation, releasing transient buffers). No layout arithmetic lives here:
-offsets and lengths come from ``fullshard.plan``.
+(A group of one rank exchanges nothing: LOCAL copies this rank's own data.)
+
+Every function starts the exchange asynchronously and returns a handle whose
+``wait()`` returns once the output is complete. Buffers are plain tensors
+here: the caller passes only storage it may write (the outputs, scratch) and
+keeps every input alive until the wait returns.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
-from fullshard.core.traffic import traffic
-from fullshard.plan import (
-    BucketLayout, Exchange, GatherPlan, Ownership, ReducePlan, ShardedGrad, Unsharded, grad_copy_may_be_async,
-    reduce_scratch_chunks,
-)
-from fullshard.torch import buffers
-from fullshard.torch import exchange as transport
-from fullshard.torch.buffers import Borrowed, Owned
-from fullshard.torch.param import ShardedParam
+from fullshard.plan import Exchange
 
 
-class CollectiveError(RuntimeError):
-    """A collective failed or timed out (e.g. a peer died); names what it was doing and for whom."""
+def _all_gather(*args, **kwargs):
+    # torch 2.13 renamed the tensor-in/tensor-out collectives; older releases only have the old
+    # names. Looked up at each call, so wrappers installed later (profilers, benchmarks) see them.
+    return (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(*args, **kwargs)
 
 
-def wait(work, what: str) -> None:
-    """Wait for a collective under the process group's timeout, naming it if it fails."""
-    try:
-        work.wait()
-    except Exception as error:  # gloo/NCCL raise plain RuntimeErrors (peer gone, timeout)
-        raise CollectiveError(f"{what} failed on rank {dist.get_rank()}: {error}") from error
+def _reduce_scatter(*args, **kwargs):
+    return (getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor)(*args, **kwargs)
 
 
-def _rank_chunks(
-    flat: torch.Tensor, bucket: BucketLayout, index: int, param: ShardedParam, ranks: Optional[range] = None
-) -> list[torch.Tensor]:
-    """The padded chunk of member ``index`` for each of ``ranks`` (default: all) in a rank-major buffer."""
-    ranks = ranks if ranks is not None else range(bucket.world)
-    start = bucket.offsets[index]
-    per_rank = flat.view(len(ranks), bucket.chunk_numel)
-    shape = param.layout.padded_chunk_shape
-    return [per_rank[row, start : start + param.layout.padded_chunk_numel].view(shape) for row in range(len(ranks))]
+class PairwiseWork:
+    """The sends and receives of one pairwise exchange; ``wait()`` also runs its completion (the sum)."""
+
+    def __init__(self, works: list, complete: Optional[Callable[[], None]] = None) -> None:
+        self._works = works
+        self._complete = complete
+
+    def wait(self) -> bool:
+        works, self._works = self._works, []
+        for work in works:
+            work.wait()
+        if self._complete is not None:
+            complete, self._complete = self._complete, None
+            complete()
+        return True
 
 
-def pack_rank_chunks(
-    flat: torch.Tensor, bucket: BucketLayout, params: Sequence[ShardedParam],
-    fulls: Sequence[Optional[torch.Tensor]], ranks: Optional[range] = None,
-) -> None:
-    """Write each full tensor's chunks for ``ranks`` into a rank-major buffer (padding zeroed; None: zeros)."""
-    ranks = ranks if ranks is not None else range(bucket.world)
-    if bucket.row_blocks and all(full is not None for full in fulls):
-        rows = [full.reshape(bucket.world, -1)[ranks.start : ranks.stop] for full in fulls]
-        torch.cat(rows, dim=1, out=flat.view(len(ranks), bucket.chunk_numel))  # casts to the buffer's dtype
-        return
-    for index, (param, full) in enumerate(zip(params, fulls)):
-        layout = param.layout
-        for rank, chunk in zip(ranks, _rank_chunks(flat, bucket, index, param, ranks)):
-            length = layout.local_length(rank)
-            if full is None:
-                chunk.zero_()
-                continue
-            chunk.narrow(layout.dim, 0, length).copy_(full.narrow(layout.dim, layout.local_offset(rank), length))
-            chunk.narrow(layout.dim, length, layout.chunk - length).zero_()
+class _CustomWork:
+    """What a user's collective returned: its work to wait on, or None when it ran synchronously."""
+
+    def __init__(self, work: Any) -> None:
+        self._work = work
+
+    def wait(self) -> bool:
+        if self._work is not None:
+            self._work.wait()
+        return True
 
 
-def unpack_rank_chunks(flat: torch.Tensor, bucket: BucketLayout, params: Sequence[ShardedParam],
-                       fulls: Sequence[torch.Tensor]) -> None:
-    """The inverse of :func:`pack_rank_chunks` for all ranks: rebuild full tensors, padding dropped."""
-    if bucket.row_blocks and all(full.dtype == flat.dtype for full in fulls):
-        sizes = [p.layout.padded_chunk_numel for p in params]
-        torch.split_with_sizes_copy(flat.view(bucket.world, bucket.chunk_numel), sizes, dim=1,
-                                    out=[full.view(bucket.world, -1) for full in fulls])
-        return
-    for index, (param, full) in enumerate(zip(params, fulls)):
-        layout = param.layout
-        for rank, chunk in enumerate(_rank_chunks(flat, bucket, index, param)):
-            length = layout.local_length(rank)
-            full.narrow(layout.dim, layout.local_offset(rank), length).copy_(chunk.narrow(layout.dim, 0, length))
+def _peers(group: Optional[dist.ProcessGroup]) -> tuple[int, list[tuple[int, int]]]:
+    """This rank's index in ``group`` and (index, global rank) of every other member."""
+    me = dist.get_rank(group)
+    others = [
+        (index, dist.get_global_rank(group, index) if group is not None else index)
+        for index in range(dist.get_world_size(group))
+        if index != me
+    ]
+    return me, others
 
 
-@dataclass
-class PendingGather:
-    """An issued all-gather; ``finish()`` waits, copies out where planned, releases its inputs."""
+def all_gather(
+    exchange: Exchange, output: torch.Tensor, input: torch.Tensor, group: Optional[dist.ProcessGroup],
+    tag: int, input_in_place: bool = False, comm: Any = None,
+) -> Any:
+    """``output`` (rank-major) receives every rank's ``input``.
 
-    work: Any
-    version_guard: Any
-    transient: list
-    copy_out: Optional[Owned]  # the output to copy parameters out of (OWN_STORAGE plans), else None
-    bucket: BucketLayout
-    params: list
-    label: str
-
-    def finish(self) -> None:
-        wait(self.work, f"all-gather of {self.label}")
-        # The collective bumps the output's autograd version counter (from a
-        # background thread, some time before the wait returns). Backward saved
-        # the unsharded parameters that view this output; refilling them with
-        # the same values must not look like an in-place edit, so the version
-        # taken before the collective is restored now that it is done.
-        with self.version_guard:
-            pass
-        self.version_guard = None
-        if self.copy_out is not None:
-            targets = [p.unsharded_storage.writable("copy out of the all-gather") for p in self.params]
-            # as above: same values refilled into storage autograd saved
-            with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(tuple(targets)):
-                unpack_rank_chunks(self.copy_out.tensor, self.bucket, self.params, targets)
-            self.transient.append(self.copy_out)
-        buffers.release_all(self.transient)
-
-    def abandon(self) -> None:
-        """The gather failed: drop its buffers without freeing them (a transfer may still write)."""
-        buffers.release_all(self.transient, idle=False)
-        self.version_guard = None
-
-
-def _pack_local_chunks(flat: torch.Tensor, bucket: BucketLayout, params: Sequence[ShardedParam]) -> None:
-    """Write this rank's padded chunk of every member into ``flat`` (one rank's row of the bucket)."""
-    if bucket.row_blocks and all(p.storage_device == flat.device for p in params):
-        shards = [(p.padded_chunk if p.padded_chunk is not None else p.local_shard()).reshape(-1) for p in params]
-        torch.cat(shards, out=flat)  # one copy (and cast to the compute dtype) for the whole row
-        return
-    for index, param in enumerate(params):
-        start = bucket.offsets[index]
-        region = flat[start : start + param.layout.padded_chunk_numel].view(param.layout.padded_chunk_shape)
-        if param.padded_chunk is not None:
-            region.copy_(param.padded_chunk, non_blocking=param.pin_memory)
-        else:
-            local = param.local_shard()
-            length = local.shape[param.layout.dim]
-            region.narrow(param.layout.dim, 0, length).copy_(local)
-            region.narrow(param.layout.dim, length, param.layout.chunk - length).zero_()
-
-
-def gather_bucket(
-    bucket: BucketLayout,
-    plan: GatherPlan,
-    params: Sequence[ShardedParam],
-    output: Owned,
-    group: dist.ProcessGroup,
-    label: str,
-    exchange: Exchange,
-    tag: int,
-    kept: Optional[Owned] = None,
-    comm: Any = None,
-) -> PendingGather:
-    """Start the all-gather of one bucket into ``output`` (owned, already sized).
-
-    ``kept``: the chunks this rank kept after a partial reshard (``reshard_after_forward=k``);
-    gathered over the smaller ``group`` instead of packing the shards. ``comm``: the user's
-    collective (``Exchange.CUSTOM``).
+    ``input_in_place``: the caller already wrote ``input`` as this rank's chunk
+    of ``output`` (the plan says so, nothing is inferred here). ``comm``: the
+    user's collective for ``Exchange.CUSTOM`` (FSDP2's ``AllGather``).
     """
-    dtype = params[0].compute_dtype
-    with torch.no_grad():
-        out = output.writable("all-gather into")
-        # Taken before anything writes the output (packing, the exchange); see PendingGather.finish.
-        version_guard = torch.autograd._unsafe_preserve_version_counter(out)
-        transient: list = []
-        in_place = kept is None and plan.packs_into_output
-        if kept is not None:
-            transient.append(kept)
-            source = kept.tensor
-        elif plan.input is Ownership.BORROWED:
-            transient.append(buffers.borrow(params[0].padded_chunk.view(-1), f"sharded storage of {label}"))
-            source = transient[-1].tensor
-        elif in_place:
-            # This rank's row of the owned output is the input: pack it there, no buffer of its own.
-            source = out.view(bucket.world, -1)[dist.get_rank(group)]
-            _pack_local_chunks(source, bucket, params)
-        else:
-            packed = buffers.allocate(bucket.chunk_numel, dtype, output.tensor.device, f"all-gather input of {label}",
-                                      sources=[p.sharded._local_tensor for p in params])
-            transient.append(packed)
-            source = packed.writable("pack the all-gather input")
-            _pack_local_chunks(source, bucket, params)
-        work = transport.all_gather(exchange, out, source, group, tag, input_in_place=in_place, comm=comm)
-        if exchange is not Exchange.LOCAL:
-            traffic["all_gather"] += out.numel() * out.element_size()
-    copy_out = output if plan.unsharded is Unsharded.OWN_STORAGE else None
-    return PendingGather(work, version_guard, transient, copy_out, bucket, list(params), label)
+    if exchange is Exchange.COLLECTIVE:
+        return _all_gather(output, input, group=group, async_op=True)
+    if exchange is Exchange.CUSTOM:
+        return _CustomWork(comm(output, input, group, async_op=True))
+    if exchange is Exchange.LOCAL:
+        if not input_in_place:
+            output.copy_(input)
+        return PairwiseWork([])
+    me, peers = _peers(group)
+    slots = output.view(len(peers) + 1, -1)
+    source = input.view(-1)
+    works = [dist.irecv(slots[index], rank, group=group, tag=tag) for index, rank in peers]
+    works += [dist.isend(source, rank, group=group, tag=tag) for _, rank in peers]
+    if not input_in_place:
+        slots[me].copy_(source)  # while the peers' chunks are in flight
+    return PairwiseWork(works)
 
 
-def all_reduce_in_place(buffer: Owned, group: dist.ProcessGroup) -> None:
-    """Sum an owned buffer across ``group`` (HSDP's replica all-reduce), waiting for it."""
-    work = dist.all_reduce(buffer.writable("all-reduce in place"), op=dist.ReduceOp.SUM, group=group, async_op=True)
-    traffic["all_reduce"] += buffer.nbytes
-    wait(work, f"replica all-reduce of {buffer.what}")
+def all_reduce_sum(exchange: Exchange, buffer: torch.Tensor, group: Optional[dist.ProcessGroup]) -> Any:
+    """Sum ``buffer`` in place across ``group`` (replicated parameters); a group of one has nothing to add."""
+    if exchange is Exchange.LOCAL:
+        return PairwiseWork([])
+    return dist.all_reduce(buffer, op=dist.ReduceOp.SUM, group=group, async_op=True)
 
 
-@dataclass
-class PendingReduce:
-    """An issued gradient reduction; ``finish()`` waits, divides, installs the sharded gradients."""
+def reduce_scatter(
+    exchange: Exchange, output: torch.Tensor, input: torch.Tensor, group: Optional[dist.ProcessGroup],
+    tag: int, scratch: Sequence[torch.Tensor] = (), comm: Any = None,
+) -> Any:
+    """``output`` receives the sum over ranks of this rank's chunk of each rank's ``input`` (read only).
 
-    work: Any
-    transient: list
-    output: Owned
-    bucket: BucketLayout
-    plan: ReducePlan
-    params: list
-    grads_present: list[bool]
-    divide_factor: float
-    label: str
-    # Set for HSDP: called with the reduce-scatter output once it is complete;
-    # returns False when the gradient is kept as a partial sum instead of installed.
-    combine: Optional[Callable[[Owned], bool]] = None
-    # FSDPModule.set_all_reduce_hook: called on the summed output, in place, before the division.
-    hook: Optional[Callable[[torch.Tensor], None]] = None
-    hook_stream: Any = None  # set_all_reduce_hook(stream=...)
-
-    def finish(self) -> None:
-        wait(self.work, f"gradient reduction of {self.label} (if ranks use different parameters in a step, e.g. "
-                        "conditional branches or experts, call set_reduce_scatter_unused_params(True) on the module)")
-        buffers.release_all(self.transient)
-        if self.combine is not None and not self.combine(self.output):
-            self.output = None  # now a partial sum owned by the group
-            return
-        with torch.no_grad():
-            out = self.output.writable("divide the reduced gradient")
-            if self.hook is not None:
-                _run_hook(self.hook, out, self.hook_stream)  # it may write: the buffer is fullshard's to lend
-            if self.divide_factor != 1:
-                out.div_(self.divide_factor)
-            for index, param in enumerate(self.params):
-                if not self.grads_present[index]:
-                    continue  # no rank-local gradient: leave .grad as the reference would (None)
-                layout = param.layout
-                start = self.bucket.offsets[index]
-                if self.plan.sharded_grad is ShardedGrad.VIEW_OF_OUTPUT:
-                    local = out[start : start + layout.local_numel(param.rank)].view(layout.local_shape(param.rank))
-                else:
-                    chunk = out[start : start + layout.padded_chunk_numel].view(layout.padded_chunk_shape)
-                    # An existing gradient is summed with the copy right away: it must have landed.
-                    non_blocking = grad_copy_may_be_async(param.pin_memory, param.sharded.grad is not None)
-                    # out of the reduced buffer, which is reclaimed below
-                    local = buffers.copy_out(
-                        chunk.narrow(layout.dim, 0, layout.local_length(param.rank)), param.stored_dtype,
-                        param.storage_device, f"sharded gradient of '{param.fqn}' (copied out of {self.label})",
-                        non_blocking,
-                    )
-                param.to_sharded_grad(local)
-        if self.plan.sharded_grad is ShardedGrad.VIEW_OF_OUTPUT:
-            self.output.hand_off()  # the sharded grads are views of it now; never freed by fullshard
-        else:
-            self.output.reclaim()
-        self.output = None
-
-    def abandon(self) -> None:
-        """The step is abandoned: let the transfer end, then let go of the buffers. If it failed it
-        may still be writing into them, so they are only dropped, never resized."""
-        try:
-            self.work.wait()
-            idle = True
-        except Exception:  # the step is lost either way; only the buffers' lifetime matters
-            idle = False
-        if self.output is not None:
-            self.transient.append(self.output)
-            self.output = None
-        buffers.release_all(self.transient, idle=idle)
-
-
-def _run_hook(hook: Callable[[torch.Tensor], None], out: torch.Tensor, stream: Any) -> None:
-    if stream is None:
-        hook(out)
-        return
-    device = torch.get_device_module(out.device.type)
-    stream.wait_stream(device.current_stream())  # the reduction is done on the current stream
-    with device.stream(stream):
-        hook(out)
-    device.current_stream().wait_stream(stream)  # what follows (the division) sees the hook's writes
-
-
-def reduce_bucket(
-    bucket: BucketLayout,
-    plan: ReducePlan,
-    params: Sequence[ShardedParam],
-    grads: Sequence[Optional[torch.Tensor]],
-    reduce_dtype: torch.dtype,
-    wire_dtype: torch.dtype,
-    group: dist.ProcessGroup,
-    divide_factor: float,
-    label: str,
-    exchange: Exchange,
-    tag: int,
-    all_reduce: bool = False,
-    comm: Any = None,
-) -> PendingReduce:
-    """Start the reduce-scatter (sum) of one bucket's unsharded gradients.
-
-    ``grads`` were taken from autograd; on the BORROWED path the lone gradient
-    itself is the collective's input and is only ever read (sent, summed),
-    never freed or written; otherwise an owned input is packed (cast, padded,
-    fused). The input is in ``wire_dtype``, the output in ``reduce_dtype``
-    (they differ only for the pairwise exchange of gradients narrower than
-    the reduce dtype, summed after widening).
-    With ``all_reduce`` (replicated parameters) the packed, owned buffer is
-    all-reduced in place and becomes the output.
+    Pairwise: the first peer's contribution is received into ``output`` (its
+    last bytes, when the input travels in a narrower dtype than the output
+    sums in), the others' into ``scratch`` (``plan.reduce_scratch_chunks`` of
+    them, in the input's dtype); this rank's own chunk and the rest are added
+    at the wait, in the output's dtype.
     """
-    device = params[0].device
-    with torch.no_grad():
-        if plan.input is Ownership.BORROWED:
-            source: Owned | Borrowed = buffers.borrow(grads[0].view(-1), f"gradient of {label}")
+    if exchange is Exchange.COLLECTIVE:
+        return _reduce_scatter(output, input, op=dist.ReduceOp.SUM, group=group, async_op=True)
+    if exchange is Exchange.CUSTOM:
+        return _CustomWork(comm(output, input, group, dist.ReduceOp.SUM, async_op=True))
+    if exchange is Exchange.LOCAL:  # a group of one: the sum is this rank's own chunk
+        output.copy_(input.view(-1))
+        return PairwiseWork([])
+    me, peers = _peers(group)
+    chunks = input.view(len(peers) + 1, -1)
+    widen = output.dtype != input.dtype
+    first = output.view(input.dtype)[-output.numel():] if widen else output
+    targets = [first, *scratch]
+    if len(targets) != len(peers):
+        raise ValueError(f"pairwise reduce-scatter over {len(peers) + 1} ranks needs {len(peers) - 1} scratch chunks")
+    works = [dist.irecv(target, rank, group=group, tag=tag) for target, (_, rank) in zip(targets, peers)]
+    works += [dist.isend(chunks[index], rank, group=group, tag=tag) for index, rank in peers]
+
+    def add_own_and_scratch() -> None:
+        if widen:
+            _widen_and_add(output, first, chunks[me])
         else:
-            what = f"reduce-scatter input of {label}"
-            source = (buffers.allocate_pooled(comm, bucket.total_numel, wire_dtype, device, what, grads)
-                      if plan.input_pooled else buffers.allocate(bucket.total_numel, wire_dtype, device, what,
-                                                                 sources=grads))
-            pack_rank_chunks(source.writable("pack the reduce-scatter input"), bucket, params, grads)
-        present = [g is not None for g in grads]
-        if all_reduce:
-            work = transport.all_reduce_sum(exchange, source.writable("all-reduce in place"), group)
-            if exchange is not Exchange.LOCAL:
-                traffic["all_reduce"] += source.nbytes
-            return PendingReduce(work, [], source, bucket, plan, list(params), present, divide_factor, label)
-        read = (*grads, source.tensor)  # what the reduction reads on this rank
-        output = buffers.allocate(bucket.chunk_numel, reduce_dtype, device, f"reduce-scatter output of {label}",
-                                  sources=read)
-        scratch = [
-            buffers.allocate(bucket.chunk_numel, wire_dtype, device, f"reduce-scatter receive buffer of {label}",
-                             sources=read)
-            for _ in range(reduce_scratch_chunks(exchange, dist.get_world_size(group)))
-        ]
-        work = transport.reduce_scatter(
-            exchange, output.writable("reduce-scatter into"), source.tensor, group, tag,
-            [buffer.writable("receive a peer's gradient chunk") for buffer in scratch], comm=comm,
-        )
-        if exchange is not Exchange.LOCAL:
-            traffic["reduce_scatter"] += source.tensor.numel() * source.tensor.element_size()
-    return PendingReduce(work, [source, *scratch], output, bucket, plan, list(params), present, divide_factor, label)
+            output.add_(chunks[me])
+        for extra in scratch:
+            output.add_(extra)
+
+    return PairwiseWork(works, add_own_and_scratch)
+
+
+# Elements widened per step by _widen_and_add (a 256 KiB fp32 temporary).
+_WIDEN_BLOCK = 1 << 16
+
+
+def _widen_and_add(output: torch.Tensor, received: torch.Tensor, own: torch.Tensor) -> None:
+    """``output = received + own`` in the output's dtype, where ``received`` (narrower) lives in output's last bytes.
+
+    Blocks go front to back, and each block of ``received`` is copied out
+    before that block of the output is written. Writing output[:end] touches
+    its first end*R bytes (R, W: the output's and the received dtype's sizes,
+    R > W), while received[end:] starts at byte C*R - (C-end)*W >= end*R:
+    nothing still to be read is ever overwritten.
+    """
+    for start in range(0, output.numel(), _WIDEN_BLOCK):
+        end = min(output.numel(), start + _WIDEN_BLOCK)
+        peer = received[start:end].to(output.dtype)  # a copy, taken before output[start:end] is written
+        torch.add(peer, own[start:end], out=output[start:end])

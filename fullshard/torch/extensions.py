@@ -28,9 +28,9 @@ import torch.distributed as dist
 from fullshard.core.traffic import traffic
 from fullshard.plan import Exchange, exchange_tag
 from fullshard.torch import buffers
-from fullshard.torch import exchange as transport
+from fullshard.torch import collectives
 from fullshard.torch.buffers import Kind, Owned
-from fullshard.torch.collectives import wait
+from fullshard.torch.buckets import wait
 from fullshard.torch.param import ShardedParam, contiguous_stride
 
 
@@ -125,7 +125,7 @@ def gather_extended(
             borrowed.append(buffers.borrow(tensor.reshape(-1), f"all-gather input {index} of {label}"))
             out = output.writable("all-gather into")
             tag = exchange_tag(f"{label}#{index}", "all_gather")
-            works.append(transport.all_gather(exchange, out, borrowed[-1].tensor, group, tag))
+            works.append(collectives.all_gather(exchange, out, borrowed[-1].tensor, group, tag))
             if exchange is not Exchange.LOCAL:
                 traffic["all_gather"] += out.numel() * out.element_size()
     return PendingExtensionGather(works, param, state, metadata, [t.shape for t in inputs], borrowed, label)

@@ -18,11 +18,11 @@ import torch.nn as nn
 from torch.distributed._composable.contract import REGISTRY_KEY, STATE_KEY, RegistryItem
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
-from fullshard.torch.state import ShardState
+from fullshard.torch.unit import ShardedUnit
 
 
 class _GroupView:
-    def __init__(self, state: ShardState) -> None:
+    def __init__(self, state: ShardedUnit) -> None:
         self._state = state
 
     def post_backward(self) -> None:
@@ -30,7 +30,7 @@ class _GroupView:
 
 
 class _StateView:
-    def __init__(self, state: ShardState) -> None:
+    def __init__(self, state: ShardedUnit) -> None:
         self._state = state
 
     @property
@@ -39,14 +39,14 @@ class _StateView:
 
     @property
     def _state_ctx(self) -> SimpleNamespace:
-        states = self._state.context.states if self._state.context is not None else [self._state]
+        states = self._state.context.units if self._state.context is not None else [self._state]
         return SimpleNamespace(all_states=[_StateView(state) for state in states])
 
     def _root_post_backward_final_callback(self) -> None:
-        (self._state.context or self._state._lazy_init_as_root()).complete_backward()
+        (self._state.context or self._state.lazy_init_as_root()).complete_backward()
 
 
-def expose(module: nn.Module, state: ShardState) -> None:
+def expose(module: nn.Module, state: ShardedUnit) -> None:
     """Answer ``torch.distributed.fsdp.fully_shard.state(module)`` with a view of ``state``, and mark the
     module in torch's registry of composable APIs as ``fully_shard``ed: torch's ``replicate()`` applied
     over fullshard units (DDP on the root) then leaves their parameters to fullshard, as it does FSDP2's."""

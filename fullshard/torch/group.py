@@ -1,29 +1,38 @@
-"""One communication group: the parameters of one ``fully_shard`` call, and its three parts.
+"""One communication group on torch: the parameters of one ``fully_shard`` call, their storage and collectives.
 
-* ``plan`` (:class:`~fullshard.torch.group_plan.GroupPlan`): buckets, exchange,
-  labels and dtypes, from ``fullshard.plan``;
-* ``unsharder`` (:class:`~fullshard.torch.unshard.Unsharder`): gather, reshard,
-  what the modules show, when a kept copy is stale;
-* ``reducer`` (:class:`~fullshard.torch.grads.GradReducer`): pending gradients,
-  their reduction, HSDP partial sums.
+The lifecycle (``fullshard.core.lifecycle.Group``) decides when to gather, free, keep and reduce; this class
+supplies torch's operations for it, carrying out the group's plan (``group_plan.py``):
 
-What ties them is here: re-planning when the user replaced parameters.
+* gathering: every bucket's all-gather into owned storage (or from the chunks a partial reshard kept), the
+  unsharded parameters registered on the modules once complete, freed or kept on reshard;
+* gradients: autograd's, as its post-accumulate-grad hooks deliver them, summed in an owned accumulator while
+  sync is off where the plan says so, reduced bucket by bucket, summed across HSDP replicas or kept as
+  partial sums.
+
+Which buffers are owned comes from the plan, never from the tensors.
 """
 from __future__ import annotations
 
-from typing import Any, Optional
+import functools
+import weakref
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
 
+from fullshard.core.lifecycle import Group
+from fullshard.plan import Accumulation, Unsharded, plan_reduce
 from fullshard.plan.strategy import AfterBackward
-from fullshard.torch.grads import GradReducer
-from fullshard.torch.group_plan import GroupPlan
-from fullshard.torch.param import ShardedParam
-from fullshard.torch.unshard import GroupState, Unsharder
+from fullshard.torch import buffers, checks
+from fullshard.torch.buckets import PendingGather, all_reduce_in_place, gather_bucket, pack_rank_chunks, reduce_bucket
+from fullshard.torch.buffers import Kind, Owned
+from fullshard.torch.errors import NotMaterializedError
+from fullshard.torch.extensions import ExtensionState, gather_extended
+from fullshard.torch.group_plan import GroupPlan, dtype_name
+from fullshard.torch.param import ShardedParam, is_plain
 
 
-class ParamGroup:
+class ParamGroup(Group):
     def __init__(
         self,
         params: list[ShardedParam],
@@ -33,58 +42,379 @@ class ParamGroup:
         all_reduce: bool = False,
         after_backward: AfterBackward = AfterBackward.RESHARD,
         replicate_group: Optional[dist.ProcessGroup] = None,
-        fuse_below_numel: Optional[int] = None,
         shard_mesh: Any = None,
         mp_policy: Any = None,
     ) -> None:
+        self._reduce_grads = True
+        super().__init__(after_backward)
         self.params = params
         self.process_group = process_group
         self.world = dist.get_world_size(process_group)
-        self.after_backward = after_backward
-        # FSDPModule.set_unshard_in_backward(False): no backward op reads these parameters.
-        self.unshard_in_backward = True
+        # Replicated parameters (no_shard): nothing to gather, gradients all-reduced.
+        self.replicated = all_reduce
         self._reduce_dtype = reduce_dtype
-        self._fuse_below_numel = fuse_below_numel
         # FSDPModule.set_custom_all_gather / set_custom_reduce_scatter (the plan uses them from then on)
         self.custom_all_gather: Any = None
         self.custom_reduce_scatter: Any = None
-        self.reducer = GradReducer(params, process_group, self.world, all_reduce, replicate_group)
-        self.unsharder = Unsharder(params, process_group, all_reduce, self.reducer.on_grad_accumulated,
-                                   shard_mesh, mp_policy)
+        # What all-gather extensions' pre hooks are told (FSDP2's arguments): the shard dim's 1-D mesh and the
+        # policy (extensions.py).
+        self.shard_mesh, self.mp_policy = shard_mesh, mp_policy
+        # reshard_after_forward=k: after forward each rank keeps the chunks of W/k ranks, so backward gathers
+        # within a group of k ranks only.
+        self.post_forward_group: Optional[dist.ProcessGroup] = None
+        self._post_forward_chunks: list[Owned] = []
+        self._pending_gathers: list = []
+        self._init_gradient_side(replicate_group)
         self._plan(module_name)
 
+    def _init_gradient_side(self, replicate_group: Optional[dist.ProcessGroup]) -> None:
+        # HSDP: shards are reduce-scattered within process_group, then summed across the replicas of
+        # replicate_group (unless all_reduce_grads is off: partial sums then wait, owned, for a later backward).
+        self.replicate_group = replicate_group
+        self.replicas = dist.get_world_size(replicate_group) if replicate_group is not None else 1
+        self._partials: dict[int, Owned] = {}
+        # Whether gradient sync was off at some point since the last reduction (set alike on every rank):
+        # gradients may then be fp32 accumulators, and must travel as such.
+        self.accumulated_without_sync = False
+        self.divide_factor: Optional[float] = None
+        self.all_reduce_hook: Optional[Callable[[torch.Tensor], None]] = None  # FSDPModule.set_all_reduce_hook
+        self.all_reduce_hook_stream = None  # where the hook runs (None: the current stream)
+        # Called after every accumulated gradient (the unit makes sure its root's end of backward will come).
+        self.on_grad: Optional[Callable[[], None]] = None
+
+    @property
+    def reduce_grads(self) -> bool:
+        return self._reduce_grads
+
+    @reduce_grads.setter
+    def reduce_grads(self, value: bool) -> None:
+        self._reduce_grads = value
+        if not value:
+            self.accumulated_without_sync = True
+
+    # ------------------------------------------------------------------ plan
     def _plan(self, module_name: str) -> None:
-        self.plan = GroupPlan(
-            self.params, self.process_group, self.world, self._reduce_dtype, module_name, self._fuse_below_numel,
-            self.custom_all_gather, self.custom_reduce_scatter,
-        )
-        self.unsharder.replan(self.plan)
-        self.reducer.plan = self.plan
+        """Plan afresh (first, or parameters replaced, custom collectives set): unsharded tensors are rebuilt."""
+        for param in self.params:
+            param.unsharded = param.unsharded_storage = None
+        for handle in getattr(self, "_hooks", ()):
+            handle.remove()
+        self._hooks: list = []
+        self.plan = GroupPlan(self.params, self.process_group, self.world, self._reduce_dtype, module_name,
+                              custom_all_gather=self.custom_all_gather, custom_reduce_scatter=self.custom_reduce_scatter)
+        # Outputs of lone all-gathers: the unsharded parameter is a view of them, so they live as long as the
+        # plan and are reclaimed on reshard.
+        self._view_outputs: list[Optional[Owned]] = [None] * len(self.plan.buckets)
+        self._extensions: dict[int, ExtensionState] = {}  # bucket index -> what an extended parameter keeps
+
+    def replan(self) -> None:
+        self.reshard()
+        self._plan(self.module_name)
+
+    def rename(self, module_fqn: str) -> None:
+        self.plan.rename(module_fqn)
 
     @property
     def module_name(self) -> str:
         return self.plan.module_name
 
     @property
-    def state(self) -> GroupState:
-        return self.unsharder.state
-
-    @property
-    def trainable(self) -> list[ShardedParam]:
-        return [p for p in self.params if p.requires_grad]
-
-    @property
     def offloaded_to_host(self) -> bool:
         """Shards live in CPU memory while computing on an accelerator (copies may be in flight)."""
         return any(p.offloaded and p.device.type != "cpu" for p in self.params)
 
-    def refresh_sharded(self) -> None:
-        """Follow parameters the user replaced; re-plan and drop unsharded copies if any changed."""
-        changed = [param.refresh_from_module() for param in self.params]
-        if any(changed):
+    def follow_replaced_params(self) -> None:
+        """Re-adopt parameters the user replaced (``to_empty``, ``.to(dtype)``, ``load_state_dict(assign=True)``)."""
+        if any([param.refresh_from_module() for param in self.params]):
             self.replan()
 
-    def replan(self) -> None:
-        """Plan afresh (parameters replaced, custom collectives set): unsharded copies are rebuilt."""
-        self.unsharder.reshard()
-        self._plan(self.module_name)
+    def refresh(self) -> None:
+        """At a root forward: follow replaced parameters; parameters still on the meta device would be trained
+        as garbage, so they are named (FSDP2's words)."""
+        self.follow_replaced_params()
+        meta = [p.fqn for p in self.params if p.sharded.device.type == "meta"]
+        if meta:
+            raise NotMaterializedError(
+                "FSDP parameters should be materialized from meta device before training, but the following "
+                f"were still on meta device: {meta}; call model.to_empty(device=...) and initialize them "
+                "(e.g. fullshard.torch.materialize.materialize(model)) before the first forward"
+            )
+
+    # ------------------------------------------------------------------ gathering (core.lifecycle.Group)
+    # Under torch.inference_mode the buffers gathered into would become inference tensors, which keep no
+    # version counter and cannot be reused by a later training step: fullshard's own buffers never are.
+    @torch.inference_mode(False)
+    def _start_gather(self) -> None:
+        chunks, self._post_forward_chunks = self._post_forward_chunks, []
+        if chunks and self._shards_changed():
+            buffers.release_all(chunks)  # the shards moved on: gather them afresh
+        for param in self.params:
+            param.gathered_version = param.shard_version()
+        if self.replicated:
+            self._unshard_replicated()
+            return
+        plan = self.plan
+        for index, (bucket, gather) in enumerate(zip(plan.buckets, plan.gather_plans)):
+            members = plan.members(index)
+            if members[0].extended:
+                state = self._extensions.setdefault(index, ExtensionState())
+                self._pending_gathers.append(gather_extended(
+                    members[0], state, self.process_group, self.shard_mesh, members[0].owners[0][0], self.mp_policy,
+                    plan.exchange, plan.labels[index],
+                ))
+                continue
+            output = self._gather_output(index, members)
+            if chunks:
+                pending = gather_bucket(bucket, gather, members, output, self.post_forward_group, plan.labels[index],
+                                        plan.exchange, plan.gather_tags[index], kept=chunks[index])
+            else:
+                pending = gather_bucket(bucket, gather, members, output, self.process_group, plan.labels[index],
+                                        plan.gather_exchange, plan.gather_tags[index], comm=plan.custom_all_gather)
+            self._pending_gathers.append(pending)
+
+    def _unshard_replicated(self) -> None:
+        """no_shard: the unsharded parameter is the replica itself, or an owned copy of it (``plan_replica``)."""
+        for param, how in zip(self.params, self.plan.replica_plans):
+            local = param.local_shard()
+            if how is Unsharded.REPLICA:
+                # Borrowed: the replica's own storage, never reclaimed. Made once per adoption of
+                # the sharded parameter (a replaced one clears it: follow_replaced_params).
+                if param.unsharded is None:
+                    self._make_unsharded(param, local)
+                continue
+            if param.unsharded_storage is None:
+                param.unsharded_storage = buffers.copy_of(
+                    local, param.compute_dtype, param.device,
+                    f"{dtype_name(param.compute_dtype)} copy of replica '{param.fqn}' of module '{self.module_name}'",
+                    Kind.WORKING,
+                )
+                self._make_unsharded(param, param.unsharded_storage.tensor)
+            else:
+                param.unsharded_storage.regrow()
+                target = param.unsharded_storage.writable("refresh the cast copy")
+                with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(target):
+                    target.copy_(local)
+
+    def _gather_output(self, index: int, members: list[ShardedParam]) -> Owned:
+        plan = self.plan
+        bucket, gather = plan.buckets[index], plan.gather_plans[index]
+        dtype, device = members[0].compute_dtype, members[0].device
+        shards = [p.sharded._local_tensor for p in members]  # what the gather reads on this rank
+        if gather.unsharded is Unsharded.VIEW_OF_OUTPUT:
+            output = self._view_outputs[index]
+            if output is None:
+                output = buffers.allocate(
+                    bucket.total_numel, dtype, device, f"unsharded {plan.labels[index]}", Kind.WORKING, shards
+                )
+                self._view_outputs[index] = output
+                param = members[0]
+                self._make_unsharded(param, output.tensor[: param.layout.numel].view(param.layout.shape))
+            else:
+                output.regrow()
+            return output
+        for param in members:
+            if param.unsharded_storage is None:
+                param.unsharded_storage = buffers.allocate(
+                    param.layout.shape, dtype, device,
+                    f"unsharded parameter '{param.fqn}' of module '{plan.module_name}'", Kind.WORKING, shards,
+                )
+                self._make_unsharded(param, param.unsharded_storage.tensor)
+            else:
+                param.unsharded_storage.regrow()
+        what = f"all-gather output of {plan.labels[index]}"
+        if gather.output_pooled:
+            return buffers.allocate_pooled(plan.custom_all_gather, bucket.total_numel, dtype, device, what, shards)
+        return buffers.allocate(bucket.total_numel, dtype, device, what, sources=shards)
+
+    def _make_unsharded(self, param: ShardedParam, data: torch.Tensor) -> None:
+        param.make_unsharded(data)
+        if param.requires_grad:
+            # The hook lives in C++ on the tensor, out of reach of Python's cycle collector: a strong
+            # reference back to the group would keep the whole model alive forever once it is dropped.
+            callback, index = weakref.WeakMethod(self._on_grad_accumulated), self.params.index(param)
+
+            def on_grad_accumulated(_unsharded: torch.Tensor) -> None:
+                method = callback()
+                if method is not None:
+                    method(index)
+
+            self._hooks.append(param.unsharded.register_post_accumulate_grad_hook(on_grad_accumulated))
+
+    @torch.inference_mode(False)
+    def _finish_gather(self) -> None:
+        pending, self._pending_gathers = self._pending_gathers, []
+        for gather in pending:
+            unsharded = gather.finish()
+            if unsharded is not None:  # an extension's post hook built it, the first time
+                self._make_unsharded(gather.param, unsharded)
+        for param in self.params:
+            param.register_unsharded()
+
+    @torch.inference_mode(False)
+    def _free(self, keep_post_forward_chunks: bool) -> None:
+        """Free the unsharded storage (owned by fullshard; autograd's references stay valid objects)."""
+        if keep_post_forward_chunks and self.post_forward_group is not None:
+            self._keep_post_forward_chunks()
+        for output in self._view_outputs:
+            if output is not None and not output.is_reclaimed:
+                output.reclaim()
+        for param in self.params:
+            if param.unsharded_storage is not None and not param.unsharded_storage.is_reclaimed:
+                param.unsharded_storage.reclaim()
+        for extension in self._extensions.values():
+            extension.reclaim()
+        self._keep()
+
+    def _keep_post_forward_chunks(self) -> None:
+        """reshard_after_forward=k: keep this rank's chunks for its post-forward group of k ranks."""
+        plan = self.plan
+        if self._extensions:
+            raise NotImplementedError(
+                f"reshard_after_forward=<int> with all-gather extensions (module '{plan.module_name}'): the "
+                "extensions' hooks decide what is gathered, so the chunks cannot be kept for a smaller group; "
+                "use reshard_after_forward=True or False"
+            )
+        group_size = dist.get_world_size(self.post_forward_group)
+        span = self.world // group_size
+        first = (dist.get_rank(self.process_group) % group_size) * span
+        ranks = range(first, first + span)
+        with torch.no_grad():
+            for index, bucket in enumerate(plan.buckets):
+                members = plan.members(index)
+                kept = buffers.allocate(
+                    span * bucket.chunk_numel, members[0].compute_dtype, members[0].device,
+                    f"post-forward chunks of {plan.labels[index]}", sources=[p.unsharded_data for p in members],
+                )
+                pack_rank_chunks(kept.writable("keep chunks after forward"), bucket, members,
+                                 [p.unsharded_data for p in members], ranks)
+                self._post_forward_chunks.append(kept)
+
+    def _keep(self) -> None:
+        for param in self.params:
+            param.register_sharded()
+
+    def _shards_changed(self) -> bool:
+        """Whether a shard was written through autograd since it was gathered (an optimizer step,
+        ``load_state_dict``...): a kept copy is gathered again even inside an accumulation."""
+        return any(p.shard_version() != p.gathered_version for p in self.params)
+
+    def _drop_post_forward_chunks(self) -> None:
+        buffers.release_all(self._post_forward_chunks)  # chunks from a forward whose backward never came
+
+    def _abandon_gathers(self) -> None:
+        """Let gathers in flight end. Storage a failed transfer may still be writing into is dropped, never
+        resized, and rebuilt at the next gather."""
+        pending, self._pending_gathers = self._pending_gathers, []
+        failed = False
+        for gather in pending:
+            try:
+                unsharded = gather.finish()
+                if unsharded is not None:
+                    self._make_unsharded(gather.param, unsharded)
+            except Exception:  # the step is abandoned either way; only the buffers' lifetime matters
+                gather.abandon()
+                failed = True
+        if failed:
+            self._drop_unsharded_storage()
+            self._plan(self.module_name)
+            self._keep()
+        else:
+            self._free(keep_post_forward_chunks=False)
+        self._drop_post_forward_chunks()
+
+    def _drop_unsharded_storage(self) -> None:
+        for output in self._view_outputs:
+            if output is not None:
+                output.drop()
+        for extension in self._extensions.values():
+            for output in extension.outputs:
+                output.drop()
+        for param in self.params:
+            if param.unsharded_storage is not None:
+                param.unsharded_storage.drop()
+
+    # ------------------------------------------------------------------ gradients (core.lifecycle.Group)
+    def _on_grad_accumulated(self, index: int) -> None:
+        """Autograd summed a gradient into an unsharded parameter."""
+        param = self.params[index]
+        if checks.check_finite_enabled():
+            checks.inspect(param.fqn, param.local_grad(param.unsharded.grad))
+        if not self.reduce_grads and self.plan.accumulations[index] is Accumulation.OWNED:
+            # Accumulating without sync: sum in the reduce dtype (e.g. fp32 for bf16 compute).
+            param.accumulate_grad_in(self.plan.reduce_dtype(param), f"gradient accumulator of '{param.fqn}'")
+        if self.on_grad is not None:
+            self.on_grad()
+
+    def has_pending_grads(self) -> bool:
+        """Some gradient arrived since the last reduction (read off the parameters, not tracked)."""
+        return any(p.has_unreduced_grad() for p in self.params if p.requires_grad)
+
+    def _start_reduce(self) -> list:
+        """Start reductions of the pending unsharded gradients; buckets without any are skipped."""
+        pending = []
+        divide = self.divide_factor if self.divide_factor is not None else self.world * self.replicas
+        for index in range(len(self.plan.buckets)):
+            reduction = self._reduce_bucket(index, divide)
+            if reduction is not None:
+                pending.append(reduction)
+        self.accumulated_without_sync = False
+        return pending
+
+    def _reduce_bucket(self, index: int, divide: float) -> Any:
+        plan = self.plan
+        members = plan.members(index)
+        if not members[0].requires_grad:
+            return None
+        grads = [p.take_unsharded_grad() for p in members]
+        if self.reduce_unused_params:
+            # Every rank reduces every bucket, a zero standing in for a gradient this rank lacks.
+            grads = [g if g is not None else torch.zeros(p.layout.shape, dtype=p.compute_dtype, device=p.device)
+                     for p, g in zip(members, grads)]
+        if all(g is None for g in grads):
+            return None
+        present = [g for g in grads if g is not None]
+        reduce_dtype = plan.reduce_dtype(members[0])
+        wire = plan.gradient_wire_dtype(members[0].compute_dtype, reduce_dtype, self.replicated,
+                                        self.accumulated_without_sync)
+        reduction_plan = plan_reduce(
+            plan.buckets[index], plan.layouts,
+            grad_dtype_is_wire_dtype=all(g.dtype == wire for g in present),
+            # only a plain, contiguous gradient is a collective's buffer as it is (a subclass is packed)
+            grads_contiguous=all(is_plain(g) and g.is_contiguous() for g in present),
+            reduce_dtype_is_param_dtype=reduce_dtype == members[0].stored_dtype,
+            all_reduce=self.replicated, offloaded=members[0].offloaded, exchange=plan.reduce_exchange,
+        )
+        reduction = reduce_bucket(
+            plan.buckets[index], reduction_plan, members, grads, reduce_dtype, wire, self.process_group, divide,
+            plan.labels[index], plan.reduce_exchange, plan.reduce_tags[index], all_reduce=self.replicated,
+            comm=plan.custom_reduce_scatter,
+        )
+        reduction.hook, reduction.hook_stream = self.all_reduce_hook, self.all_reduce_hook_stream
+        if self.replicate_group is not None:
+            reduction.combine = functools.partial(self._sum_across_replicas, index)
+        return reduction
+
+    def _sum_across_replicas(self, index: int, output: Owned) -> bool:
+        """HSDP: add any partial sum, then all-reduce across replicas or keep it for later."""
+        partial = self._partials.pop(index, None)
+        if partial is not None:
+            with torch.no_grad():
+                output.writable("add the partial gradient sum").add_(partial.tensor)
+            partial.reclaim()
+        if not self.all_reduce_grads:
+            output.retag(Kind.MAIN_GRAD)  # kept across backward passes: gradient memory, not a transfer's
+            self._partials[index] = output
+            return False
+        if self.replicas > 1:
+            all_reduce_in_place(output, self.replicate_group)
+        return True
+
+    def _abandon_grads(self) -> None:
+        """Forget this step's gradients: unreduced and reduced ones, HSDP partial sums. As in FSDP2, an
+        accumulation in progress is lost with them."""
+        for param in self.params:
+            param.drop_grads()
+        for partial in self._partials.values():
+            partial.reclaim()
+        self._partials.clear()
+        self.accumulated_without_sync = not self.reduce_grads

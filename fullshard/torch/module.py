@@ -12,10 +12,11 @@ from torch.distributed import fsdp as torch_fsdp
 # torch's own classes, taken once at import (see policies.py for why not at call time).
 _TORCH_FSDP_MODULE = torch_fsdp.FSDPModule
 
-from fullshard.core.units import configure, distinct_states
+from fullshard.core.lifecycle import distinct_units
+from fullshard.core.units import configure_groups
 from fullshard.plan.strategy import AfterBackward
 from fullshard.torch.errors import DeepcopyError
-from fullshard.torch.state import ShardState
+from fullshard.torch.unit import ShardedUnit
 
 
 # The dynamic subclass fully_shard gives each module class: FSDP<Orig>(FSDPModule, Orig).
@@ -25,12 +26,12 @@ FSDP_CLASSES: dict[type, type] = {}
 class UnshardHandle(torch_fsdp.UnshardHandle):
     """Returned by ``unshard(async_op=True)``: ``wait()`` completes the all-gather."""
 
-    def __init__(self, state: Optional[ShardState]) -> None:
+    def __init__(self, state: Optional[ShardedUnit]) -> None:
         self._state = state
 
     def wait(self) -> None:
         if self._state is not None and self._state.group is not None:
-            self._state.group.unsharder.wait_for_unshard()  # the modules show the unsharded parameters now
+            self._state.group.wait()  # the modules show the unsharded parameters now
         self._state = None
 
 
@@ -48,19 +49,19 @@ class FSDPModule(torch_fsdp.FSDPModule):
     # [FSDP<Orig>, this class, torch's FSDPModule, Orig, ...]
     _orig_cls_mro_index = 3
 
-    def _fullshard_states(self, recurse: bool) -> list[ShardState]:
-        return distinct_states(self.modules() if recurse else [self])
+    def _fullshard_states(self, recurse: bool) -> list[ShardedUnit]:
+        return distinct_units(self.modules() if recurse else [self])
 
-    def _configure(self, recurse: bool, part: str, **values: Any) -> None:
-        """Set ``values`` on one part ("group", "unsharder" or "reducer") of every group in reach."""
-        configure(self._fullshard_states(recurse), part, values)
+    def _configure(self, recurse: bool, **values: Any) -> None:
+        """Set ``values`` on every group in reach."""
+        configure_groups(self._fullshard_states(recurse), values)
 
     def unshard(self, async_op: bool = False) -> Optional[UnshardHandle]:
         """All-gather this module's parameters now (e.g. to prefetch); they stay until ``reshard()``."""
         state = self._fullshard_state
         if state.group is not None:
-            state.group.unsharder.unshard()
-            state.group.unsharder.keep_for_next_forward = True  # kept for the next forward, even across steps
+            state.group.unshard()
+            state.group.keep_for_next_forward = True  # kept for the next forward, even across steps
         handle = UnshardHandle(state)
         if async_op:
             return handle
@@ -71,7 +72,7 @@ class FSDPModule(torch_fsdp.FSDPModule):
         """Free the unsharded parameters and show the sharded ones again."""
         state = self._fullshard_state
         if state.group is not None:
-            state.group.unsharder.reshard()
+            state.group.reshard()
 
     def _apply(self, *args: Any, **kwargs: Any) -> Any:
         # to_empty(), .to(), .float() ... replace sharded parameters or their data:
@@ -81,12 +82,12 @@ class FSDPModule(torch_fsdp.FSDPModule):
         result = super(_TORCH_FSDP_MODULE, self)._apply(*args, **kwargs)
         group = self._fullshard_state.group
         if group is not None:
-            group.refresh_sharded()
+            group.follow_replaced_params()
         return result
 
     def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
         """False: keep accumulating unsharded gradients locally, no communication (FSDP1's ``no_sync``)."""
-        self._configure(recurse, "reducer", reduce_grads=requires_gradient_sync, all_reduce_grads=requires_gradient_sync)
+        self._configure(recurse, reduce_grads=requires_gradient_sync, all_reduce_grads=requires_gradient_sync)
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -100,19 +101,19 @@ class FSDPModule(torch_fsdp.FSDPModule):
     def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
         """HSDP: False keeps reduce-scattered partial sums (owned) and skips the replica all-reduce
         until a backward with True. No effect on a 1-D mesh, which has no replicas."""
-        self._configure(recurse, "reducer", all_reduce_grads=requires_all_reduce)
+        self._configure(recurse, all_reduce_grads=requires_all_reduce)
 
     def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True) -> None:
         if not isinstance(reshard_after_forward, bool):
             raise ValueError(f"reshard_after_forward must be a bool, got {type(reshard_after_forward).__name__}")
         for state in self._fullshard_states(recurse):
             state.reshard_after_forward = reshard_after_forward
-        self._configure(recurse, "unsharder", post_forward_group=None)
+        self._configure(recurse, post_forward_group=None)
 
     def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
         # False keeps them gathered for the next forward even after a synced backward, as in FSDP2
         after = AfterBackward.RESHARD if reshard_after_backward else AfterBackward.KEEP_GATHERED
-        self._configure(recurse, "group", after_backward=after)
+        self._configure(recurse, after_backward=after)
 
     def set_is_last_backward(self, is_last_backward: bool) -> None:
         """Accepted for FSDP2 compatibility; nothing to do: every backward already waits for its
@@ -130,7 +131,7 @@ class FSDPModule(torch_fsdp.FSDPModule):
         """Divide reduced gradients by ``factor`` instead of the world size (1.0 gives a sum)."""
         if not factor > 0:
             raise ValueError(f"gradient divide factor must be > 0, got {factor}")
-        self._configure(True, "reducer", divide_factor=float(factor))
+        self._configure(True, divide_factor=float(factor))
 
     def set_reduce_scatter_divide_factor(self, factor: float) -> None:
         """Deprecated in FSDP2 in favour of :meth:`set_gradient_divide_factor`, which it calls."""
@@ -148,7 +149,7 @@ class FSDPModule(torch_fsdp.FSDPModule):
     def set_unshard_in_backward(self, unshard_in_backward: bool) -> None:
         """False: do not all-gather this module's parameters for backward, because no backward
         op reads them (e.g. an embedding, whose weight gradient needs only the indices)."""
-        self._configure(False, "group", unshard_in_backward=bool(unshard_in_backward))
+        self._configure(False, unshard_in_backward=bool(unshard_in_backward))
 
     def set_reduce_scatter_unused_params(self, reduce_scatter_unused_params: bool, *, recurse: bool = True) -> None:
         """True: reduce a zero gradient for every parameter that got none in a backward.
@@ -160,7 +161,7 @@ class FSDPModule(torch_fsdp.FSDPModule):
         unsharded parameters and gradients until then), and its parameters get
         a gradient (zero where no rank had one).
         """
-        self._configure(recurse, "reducer", reduce_unused_params=bool(reduce_scatter_unused_params))
+        self._configure(recurse, reduce_unused_params=bool(reduce_scatter_unused_params))
 
     def set_all_reduce_hook(self, hook: Callable[[torch.Tensor], None], *, stream: Any = None) -> None:
         """Call ``hook(reduced)`` on each reduced gradient bucket of this module's group, in place,
@@ -170,9 +171,9 @@ class FSDPModule(torch_fsdp.FSDPModule):
         if not callable(hook):
             raise ValueError(f"set_all_reduce_hook expects a callable, got {type(hook).__name__}")
         group = self._fullshard_state.group
-        if stream is not None and group is not None and group.reducer.replicate_group is not None:
+        if stream is not None and group is not None and group.replicate_group is not None:
             raise ValueError("stream cannot be set when using native HSDP")  # FSDP2's words, exactly
-        self._configure(False, "reducer", all_reduce_hook=hook, all_reduce_hook_stream=stream)
+        self._configure(False, all_reduce_hook=hook, all_reduce_hook_stream=stream)
 
     def set_post_optim_event(self, event: Any) -> None:
         """Make the next forward's all-gathers wait for ``event`` (recorded after the optimizer step).
@@ -181,7 +182,7 @@ class FSDPModule(torch_fsdp.FSDPModule):
         optimizer ran on another stream; the event is used once, then dropped.
         """
         state = self._fullshard_state
-        (state.context or state._lazy_init_as_root()).post_optim_event = event
+        (state.context or state.lazy_init_as_root()).post_optim_event = event
 
     def reset_iter_state(self) -> None:
         """After a forward or backward raised: drop this step's pending reductions and gradients
@@ -275,7 +276,7 @@ def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
     setattr(module, method_name, wrapped)
 
 
-def _state_of(module: Any, caller: str) -> ShardState:
+def _state_of(module: Any, caller: str) -> ShardedUnit:
     state = getattr(module, "_fullshard_state", None)
     if state is None:
         raise ValueError(f"{caller}: {type(module).__name__} is not an FSDPModule; apply fully_shard to it first")

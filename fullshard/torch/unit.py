@@ -1,0 +1,243 @@
+"""One unit on torch: the module hooks that drive its lifecycle (``fullshard.core.lifecycle``), and its root's.
+
+Where torch tells a unit where it is in a step:
+
+* forward pre-hook: the root's forward begins a step; gather (``Unit.pre_forward``); put an identity node on
+  the inputs that need a gradient, whose backward is the unit's post-backward;
+* forward hook: ``Unit.post_forward`` (keep or reshard); hook the outputs, so that backward reaching them
+  gathers again (``Unit.pre_backward``);
+* the inputs' identity node: autograd has computed every gradient this forward gives the unit, and summed it
+  before it runs that node (AccumulateGrad runs first), so ``Unit.post_backward`` reduces here. No count of
+  gradient arrivals can know this: a parameter used by two reentrant checkpoint segments receives two;
+* autograd's queued callback: ``Root.end_of_backward``.
+
+A forward inside backward is activation checkpointing recomputing a unit: it belongs to the step already
+running, so it never becomes a root.
+"""
+from __future__ import annotations
+
+import threading
+import weakref
+from typing import Any, Iterator, Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.autograd import Variable
+from torch.autograd.graph import register_multi_grad_hook
+from torch.distributed.tensor import DTensor
+from torch.profiler import record_function
+
+from fullshard.core.agreement import check_ranks_agree
+from fullshard.core.lifecycle import GatherState, Root, TrainingPhase, Unit
+from fullshard.core.units import named_under
+from fullshard.plan.strategy import Strategy
+from fullshard.torch import checks
+from fullshard.torch.group import ParamGroup
+from fullshard.torch.policies import MixedPrecisionPolicy
+from fullshard.torch.trees import map_tensors, tensors_in
+
+_active = threading.local()
+
+
+def _in_backward() -> bool:
+    return torch._C._current_graph_task_id() != -1
+
+
+class _PostBackward(torch.autograd.Function):
+    """Identity on a unit's forward inputs; its backward runs once the unit's backward for that forward is done."""
+
+    @staticmethod
+    def forward(ctx: Any, state_ref: weakref.ref, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        ctx.state_ref = state_ref
+        return inputs
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple:
+        state = ctx.state_ref()
+        if state is not None:
+            state.post_backward()
+        return (None, *grads)
+
+
+class StepRoot(Root):
+    def __init__(self, root: "ShardedUnit") -> None:
+        super().__init__(root)
+        self.post_optim_event: Any = None  # FSDPModule.set_post_optim_event
+
+    def _queue_end_of_backward(self) -> None:
+        Variable._execution_engine.queue_callback(self.end_of_backward)
+
+    def _before_gathers(self) -> None:
+        if self.post_optim_event is not None:
+            self.post_optim_event.wait()  # the gathers that follow run on the current stream
+            self.post_optim_event = None
+
+    def _after_reductions(self) -> None:
+        offloaded = [g for g in self.groups if g.offloaded_to_host]
+        if offloaded:
+            # gradients copied to pinned host memory without blocking: done before the optimizer reads them
+            getattr(torch, offloaded[0].params[0].device.type).synchronize()
+
+    def _after_backward(self) -> None:
+        if checks.check_finite_enabled() and self.groups:
+            checks.raise_if_any(self.groups[0].process_group)
+
+    def check_ranks_agree(self) -> None:
+        """Every group of the mesh (shard, replicas, tensor parallel) compares a fixed-size fingerprint."""
+        groups = self.groups
+        if not groups:
+            return
+        rows = [
+            (p.fqn, tuple(p.spec.shape), p.layout.dim, str(p.stored_dtype), str(p.compute_dtype), p.requires_grad,
+             repr(p.placements))
+            for group in groups for p in group.params
+        ]
+        # Ranks that move bytes differently (FULLSHARD_EXCHANGE set on some only) would wait on each other forever.
+        rows += [(f"exchange of module '{group.module_name}'", group.plan.exchange.value) for group in groups]
+        sample = groups[0].params[0]
+        mesh, device = sample.mesh, sample.device
+        names = mesh.mesh_dim_names or tuple(f"mesh dim {d}" for d in range(mesh.ndim))
+
+        def summing(process_group):
+            def sum_over_group(values: list[float]) -> list[float]:
+                buffer = torch.tensor(values, dtype=torch.float32, device=device)
+                dist.all_reduce(buffer, group=process_group)
+                return buffer.tolist()
+            return sum_over_group
+
+        check_ranks_agree(
+            rows, [(names[d], mesh.size(d), summing(mesh.get_group(d))) for d in range(mesh.ndim)],
+            "every rank must build the same model, apply fully_shard the same way and set FULLSHARD_EXCHANGE alike "
+            "(or nowhere)",
+        )
+
+
+class ShardedUnit(Unit):
+    root_class, active = StepRoot, _active
+
+    def __init__(
+        self,
+        modules: list[nn.Module],
+        group: Optional[ParamGroup],
+        mp_policy: MixedPrecisionPolicy,
+        reshard_after_forward: Optional[bool],
+        strategy: Strategy,
+    ) -> None:
+        super().__init__([group] if group is not None else [], strategy, reshard_after_forward, len(modules))
+        self.modules = modules
+        self.mp_policy = mp_policy
+        if group is not None:
+            group.on_grad = self._on_grad
+        for module in modules:
+            module.register_state_dict_pre_hook(self._before_state_dict)
+            module.register_load_state_dict_pre_hook(self._before_load_state_dict)
+            # torch.compile traces the module's own forward and leaves the hooks to run eagerly
+            # (a graph break at each unit's edges): they issue collectives, wait on them and swap
+            # registered parameters, none of which belongs in a traced graph.
+            module.register_forward_pre_hook(torch.compiler.disable(self._pre_forward), prepend=True, with_kwargs=True)
+            # always_call: a forward that raises still restores the root marker
+            module.register_forward_hook(torch.compiler.disable(self._post_forward), prepend=False, always_call=True)
+
+    @property
+    def group(self) -> Optional[ParamGroup]:
+        return self.groups[0] if self.groups else None
+
+    @property
+    def name(self) -> str:
+        return self.group.module_name if self.group is not None else type(self.modules[0]).__name__
+
+    def _profile(self, label: str) -> Any:
+        return record_function(label)
+
+    def _named_submodules(self) -> Iterator[tuple[str, nn.Module]]:
+        return named_under(self.modules, nn.Module.named_modules)
+
+    # ------------------------------------------------------------------ state dict
+    def _before_state_dict(self, *_args: Any) -> None:
+        """state_dict() returns the shards (FSDP2 does the same). The tensors it returns may be written
+        (dcp.load writes into them, below any version counter): a kept copy is gathered again."""
+        if self.group is not None and self.group.state is not GatherState.SHARDED and not _in_backward():
+            self.group.mark_stale()
+
+    def _before_load_state_dict(self, module: nn.Module, state_dict: dict, prefix: str, *_args: Any) -> None:
+        """Load into the shards, accepting full (plain) tensors for sharded parameters: keep this rank's
+        shard of each. A kept unsharded copy is gathered again at the next forward."""
+        if self.group is None:
+            return
+        self._before_state_dict()
+        paths = {id(m): name for name, m in module.named_modules()}
+        for param in self.group.params:
+            for owner, attr in param.owners:
+                if id(owner) not in paths:
+                    continue
+                key = f"{prefix}{paths[id(owner)]}.{attr}" if paths[id(owner)] else f"{prefix}{attr}"
+                value = state_dict.get(key)
+                if isinstance(value, torch.Tensor) and not isinstance(value, DTensor) and value.shape == param.spec.shape:
+                    state_dict[key] = param.full_to_sharded(value)
+
+    # ------------------------------------------------------------------ forward
+    def _pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        in_backward = _in_backward()
+        if in_backward and self.phase is TrainingPhase.PRE_BACKWARD:
+            self.gather_for_recomputation()
+            return self._cast_inputs(args, kwargs)
+        if self.context is not None and not in_backward:
+            self.context.check_not_in_backward(type(module).__name__)
+        if not in_backward and self.enter_root_forward():
+            groups = self.context.groups
+            if checks.check_inputs_enabled() and groups:
+                checks.check_same_input_shapes(args, kwargs, type(module).__name__, groups[0].process_group)
+        first_in_pass = self.phase is not TrainingPhase.FORWARD  # fully_shard([a, b]): once per pass
+        self.pre_forward(prefetch=not in_backward)
+        if self.group is not None and first_in_pass and torch.is_grad_enabled():
+            args, kwargs = self._register_post_backward((args, kwargs))
+        return self._cast_inputs(args, kwargs)
+
+    def _register_post_backward(self, inputs: Any) -> Any:
+        tensors = [t for t in tensors_in(inputs) if t.requires_grad]
+        if not tensors:
+            return inputs  # no backward reaches the inputs: the root's end of backward reduces this unit
+        passed_through = _PostBackward.apply(weakref.ref(self), *tensors)
+        replacement = {id(t): out for t, out in zip(tensors, passed_through)}
+        return map_tensors(lambda t: replacement.get(id(t), t), inputs)
+
+    def _cast_inputs(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        dtype = self.mp_policy.param_dtype
+        if dtype is None or not self.mp_policy.cast_forward_inputs:
+            return args, kwargs
+        return _cast_floats((args, kwargs), dtype)
+
+    def _post_forward(self, module: nn.Module, args: tuple, output: Any) -> Any:
+        in_backward = _in_backward()
+        if not (in_backward and self.phase is TrainingPhase.PRE_BACKWARD) and self.group is not None:
+            # Outputs that need a gradient: a backward will come through this unit.
+            needs_grad = torch.is_grad_enabled() and self._hook_outputs_for_backward(output)
+            self.post_forward(module, needs_grad, in_backward)
+        if self.mp_policy.output_dtype is not None:
+            output = _cast_floats(output, self.mp_policy.output_dtype)
+        self.leave_root_forward()
+        return output
+
+    def _hook_outputs_for_backward(self, output: Any) -> bool:
+        """Gather this unit again when backward reaches its outputs; False if none needs a gradient."""
+        tensors = [t for t in tensors_in(output) if t.requires_grad]
+        if tensors:
+            # Autograd keeps the hook in C++, out of reach of Python's cycle collector: a strong
+            # reference to this state would keep the whole model alive once it is dropped.
+            state_ref = weakref.ref(self)
+
+            def pre_backward(grad: Any) -> None:
+                state = state_ref()
+                if state is not None:
+                    state.pre_backward()
+
+            register_multi_grad_hook(tensors, pre_backward, mode="any")
+        return bool(tensors)
+
+    def _on_grad(self) -> None:
+        self.context.queue_end_of_backward()
+
+
+def _cast_floats(tree: Any, dtype: torch.dtype) -> Any:
+    return map_tensors(lambda x: x.to(dtype) if x.is_floating_point() and x.dtype != dtype else x, tree)
