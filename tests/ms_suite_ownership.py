@@ -2,7 +2,7 @@
 
 The runtime is observed from outside: which tensors it borrows and adopts
 (wrapping ``fullshard.mindspore.buffers``), which gradients autograd handed a
-bucket's bprop (wrapping ``GradReducer.reduce``), and the byte meter. Run with
+bucket's bprop (wrapping ``ParamGroup.deliver``), and the byte meter. Run with
 ``FULLSHARD_CHECK_OWNERSHIP=1`` (``./run test`` sets it), so every scenario
 also runs under the sanitizer.
 """
@@ -20,7 +20,7 @@ import fullshard.mindspore as fs
 from fullshard.core.buffers import live_owned_buffers
 from fullshard.core.traffic import reset_traffic, traffic_bytes
 from fullshard.mindspore import buffers
-from fullshard.mindspore.grads import GradReducer
+from fullshard.mindspore.group import ParamGroup
 from fullshard.mindspore.policies import dtype_bytes
 from fullshard.plan import Unsharded
 from fullshard.plan.backends import carried_traffic
@@ -44,7 +44,7 @@ from tests.ms_suite_parity import ConcatLM, TiedTwice
 def observe():
     """Record what fullshard borrows and adopts, and every gradient a bucket's bprop was handed."""
     seen = {"borrowed": [], "adopted": [], "grads": []}
-    borrow, adopt, reduce = buffers.borrow, buffers.adopt, GradReducer.reduce
+    borrow, adopt, deliver = buffers.borrow, buffers.adopt, ParamGroup.deliver
 
     def borrow_and_record(tensor, what):
         seen["borrowed"].append(what)
@@ -55,17 +55,17 @@ def observe():
         seen["adopted"].append(owned)
         return owned
 
-    def reduce_and_record(self, index, grads):
+    def deliver_and_record(self, index, grads):
         for param, grad in zip(self.plan.members(index), grads):
             storage = grad.untyped_storage()
             seen["grads"].append((param.fqn, grad, grad.copy(), storage.nbytes(), storage.data_ptr()))
-        return reduce(self, index, grads)
+        return deliver(self, index, grads)
 
-    buffers.borrow, buffers.adopt, GradReducer.reduce = borrow_and_record, adopt_and_record, reduce_and_record
+    buffers.borrow, buffers.adopt, ParamGroup.deliver = borrow_and_record, adopt_and_record, deliver_and_record
     try:
         yield seen
     finally:
-        buffers.borrow, buffers.adopt, GradReducer.reduce = borrow, adopt, reduce
+        buffers.borrow, buffers.adopt, ParamGroup.deliver = borrow, adopt, deliver
 
 
 def _assert_caller_grads_intact(seen):
@@ -220,13 +220,17 @@ def _unsharded_bytes(state) -> int:
     return total
 
 
+LAYERS = 4  # enough that ZeRO-3, holding a unit and the one it prefetches, holds less than keeping all
+
+
 def byte_meter_zero3():
-    """ZeRO-3 frees each unit's unsharded parameters after forward and gathers them again for its
-    backward, one unit at a time: bytes held after forward, at each unit's backward, between steps."""
+    """ZeRO-3 frees each unit's unsharded parameters after forward and gathers them again for its backward,
+    prefetching the unit backward reaches next: bytes held after forward, at each unit's backward (with the
+    placeholders of the units whose backward is done, filled at the end), between steps."""
     figures = {}
     base, _ = _baseline()
     for label, reshard in (("zero3", None), ("reshard_after_forward=False", False)):
-        net = init_numpy(TinyLM())
+        net = init_numpy(TinyLM(layers=LAYERS))
         wrap_layers(net, reshard_after_forward=reshard)
         samples = {}
         net.register_forward_hook(
@@ -245,23 +249,30 @@ def byte_meter_zero3():
     root = net._fullshard_state
     units = [layer._fullshard_state for layer in net.layers]
     root_bytes, layer_bytes = _unsharded_bytes(root), _unsharded_bytes(units[0])
+    placeholders = layer_bytes // world()  # a layer's gradients, as its shards: filled at the end of backward
     zero3, kept = figures["zero3"], figures["reshard_after_forward=False"]
     assert zero3["after_forward"] == root_bytes, (zero3, root_bytes)  # only the root stays gathered
-    assert zero3["backward_layer1"] == root_bytes + layer_bytes, zero3  # layer 1 gathered again, alone
-    assert zero3["backward_layer0"] == root_bytes + layer_bytes, zero3  # layer 1 freed again before layer 0
+    for i in range(LAYERS):
+        # layer i gathered again, and layer i - 1 with it (backward prefetches the unit it reaches next); the
+        # layers after it freed again, their placeholders left
+        gathered = 2 if i > 0 else 1
+        assert zero3[f"backward_layer{i}"] == root_bytes + gathered * layer_bytes + (LAYERS - 1 - i) * placeholders, \
+            (i, zero3)
     assert zero3["between_steps"] == 0 and kept["between_steps"] == 0
-    assert kept["after_forward"] == root_bytes + 2 * layer_bytes, kept
-    assert zero3["peak"] < kept["peak"]
+    assert kept["after_forward"] == root_bytes + LAYERS * layer_bytes, kept
+    assert zero3["peak"] < kept["peak"], (zero3, kept)
     # the root gathered once, each layer twice (forward, backward); without resharding once
     root_wire, layer_wire = gathered_bytes(root), gathered_bytes(units[0])
-    assert zero3["gathered"] == root_wire + 4 * layer_wire and kept["gathered"] == root_wire + 2 * layer_wire
+    assert zero3["gathered"] == root_wire + 2 * LAYERS * layer_wire, zero3
+    assert kept["gathered"] == root_wire + LAYERS * layer_wire, kept
     num_params = sum(p.layout.numel for s in [root, *units] for g in s.groups for p in g.params)
     theory = per_rank_theory(Strategy.OPTIM_GRADS_PARAMS, world(), num_params,
                              max(sum(p.layout.numel for g in s.groups for p in g.params) for s in [root, *units]),
-                             sum(p.layout.numel for g in root.groups for p in g.params), defers_reduction=False)
+                             sum(p.layout.numel for g in root.groups for p in g.params))
     report = fs.memory_report(net)
-    return {"measured": figures, "root_unsharded": root_bytes, "layer_unsharded": layer_bytes,
-            "formula": theory["memory"], "report_theory": report["theory"]["memory"]}
+    return {"measured": figures, "root_unsharded": root_bytes, "layer_unsharded": layer_bytes, "layers": LAYERS,
+            "placeholders_per_layer": placeholders, "formula": theory["memory"],
+            "report_theory": report["theory"]["memory"]}
 
 
 class SkipsLayer1(TinyLM):
@@ -300,8 +311,12 @@ def strategy_memory():
                                          net.trainable_params())()
             opt(grads)
         report = fs.memory_report(net, opt)
+        returned = sum(g.nbytes for g in grads)
+        held = report["measured"]["grads_in_backward"]
         measured = {
-            "params": report["measured"]["params"], "grads": sum(g.nbytes for g in grads),
+            # ZeRO-1 holds the unsharded gradients until the end of backward (DP's gradient memory), the others
+            # hand out sharded ones (and hold a batch of unsharded ones on the way)
+            "params": report["measured"]["params"], "grads": held if name == "optim" else returned,
             "optim": report["measured"]["optim"], "kept_unsharded": fs.comm_bytes()["live"] - base,
         }
         theory = report["theory"]["memory"]
@@ -309,7 +324,7 @@ def strategy_memory():
             assert measured[key] == theory[key], (name, key, measured, theory)
         kept = theory["unsharded"] if name in ("optim", "optim_grads") else 0  # ZeRO-1/2 keep the whole model
         assert measured["kept_unsharded"] == kept, (name, measured, theory)
-        table[name] = {"measured": measured, "formula": theory}
+        table[name] = {"measured": measured, "returned_grads": returned, "grads_in_backward": held, "formula": theory}
     return table
 
 
@@ -358,7 +373,7 @@ def traffic_vs_theory():
     num = sum(p.layout.numel for s in units for g in s.groups for p in g.params)
     largest = max(sum(p.layout.numel for g in s.groups for p in g.params) for s in units)
     root_params = sum(p.layout.numel for g in root.groups for p in g.params)
-    theory = per_rank_theory(Strategy.OPTIM_GRADS_PARAMS, world(), num, largest, root_params, defers_reduction=False)
+    theory = per_rank_theory(Strategy.OPTIM_GRADS_PARAMS, world(), num, largest, root_params)
     carried = carried_traffic(theory["traffic"], root.groups[0].plan.collectives)
     assert counted == {k: int(v) for k, v in carried.items()}, (counted, carried)
     minimum, emulated = theory["sent"], bytes_sent_per_rank(carried, world())
@@ -372,9 +387,9 @@ def aliasing_at(site: str):
     """Re-introduce the seed's bug at one site: what it adopts as owned (``what`` starting with ``site``) is the
     storage it was made from; or, for the copies it hands out, the copy is left out. The site's own ``what``
     and ``sources`` reach the real ownership check."""
-    from fullshard.mindspore import collectives, grads
+    from fullshard.mindspore import buckets, group
 
-    adopt, finish, unpack = buffers.adopt, grads.finish_grad, collectives.unpack_member
+    adopt, copy, unpack = buffers.adopt, group.sharded_copy, buckets.unpack_member
     hits = []
 
     def aliasing_adopt(tensor, what, sources, kind=buffers.Kind.TRANSIENT):
@@ -384,9 +399,9 @@ def aliasing_at(site: str):
             tensor = victims[0]
         return adopt(tensor, what, sources, kind)
 
-    def uncopied_grad(local, plan, divide_factor, stored_dtype):
+    def uncopied_grad(local, stored_dtype):
         hits.append(site)
-        return local, local  # the view of the reduced buffer itself
+        return local  # the view of the reduced buffer itself
 
     def uncopied_member(flat, bucket, index, param):
         hits.append(site)
@@ -394,30 +409,46 @@ def aliasing_at(site: str):
 
     buffers.adopt = aliasing_adopt
     if site == "sharded gradient of":
-        grads.finish_grad = uncopied_grad
+        group.sharded_copy = uncopied_grad
     if site == "full '":
-        collectives.unpack_member = uncopied_member
+        buckets.unpack_member = uncopied_member
     try:
         yield hits
     finally:
-        buffers.adopt, grads.finish_grad, collectives.unpack_member = adopt, finish, unpack
+        buffers.adopt, group.sharded_copy, buckets.unpack_member = adopt, copy, unpack
 
 
 def drive_gathers(net):
     for state in _states(net):
         for group in state.groups:
-            group.unsharder.unshard()
+            group.unshard_now()
 
 
-def drive_reductions(net, sync: bool = True):
-    """Each bucket's bprop code, called directly (outside autograd: an exception raised inside a MindSpore bprop
-    may leave the process unusable), with gradients of ones."""
+def drive_reductions(net, sync: bool = True, uses: int = 1, across_replicas: bool = True):
+    """Each bucket's bprop code and the batched reduction, called directly (outside autograd: an exception raised
+    inside a MindSpore bprop may leave the process unusable), with gradients of ones. ``uses``: as if a forward
+    had used each bucket that many times (the last bprop then reduces and returns the result)."""
+    from fullshard.mindspore.group import reduce_groups
+
+    groups = [group for state in _states(net) for group in state.groups]
+    for group in groups:
+        group.reduce_grads, group.all_reduce_grads = sync, sync and across_replicas
+        for index in range(len(group.plan.buckets)):
+            members = group.plan.members(index)
+            for _ in range(uses):
+                group._uses[index] = group._uses.get(index, (0, 0))
+                group._uses[index] = (group._uses[index][0] + 1, group._uses[index][1] + 1)
+            for _ in range(uses):
+                group.deliver(index, tuple(ops.ones(p.layout.shape, p.compute_dtype) for p in members))
+    reduce_groups(groups)
+
+
+def drive_summed_reductions(net):
+    """A bucket used twice, summed (divide factor 1): its last bprop reduces and returns a copy of the sum."""
     for state in _states(net):
         for group in state.groups:
-            group.reducer.reduce_grads = group.reducer.all_reduce_grads = sync
-            for index in range(len(group.plan.buckets)):
-                members = group.plan.members(index)
-                group.reducer.reduce(index, tuple(ops.ones(p.layout.shape, p.compute_dtype) for p in members))
+            group.divide_factor = 1.0
+    drive_reductions(net, uses=2)
 
 
 def _states(net):
@@ -439,13 +470,13 @@ SITES = {
     "full '": ({}, fs.full_state_dict),
     "reduce-scatter input of": ({}, drive_reductions),  # padded gradients are packed
     "reduced gradient of": ({}, drive_reductions),
-    "sharded gradient of": ({}, drive_reductions),  # divided out of the reduced buffer, which is freed
+    "sharded gradient of": ({}, drive_summed_reductions),  # copied out of the reduced buffer, which is freed
     "gradient accumulator of": ({}, lambda net: drive_reductions(net, sync=False)),
 }
 HSDP_SITES = {
     "zero-filled all-gather buffer of": ({}, drive_gathers),  # a sub-group gather on mccl
     "widened all-gather input of": ({"bf16": True}, drive_gathers),  # bf16 summed as fp32 on the wire
-    "partial gradient sum of": ({}, drive_reductions),
+    "partial gradient sum of": ({}, lambda net: drive_reductions(net, across_replicas=False)),
     "replica-summed gradient of": ({}, drive_reductions),
 }
 

@@ -12,7 +12,7 @@ from mindspore import Parameter, Tensor, mint, nn, ops
 
 import fullshard.mindspore as fs
 from fullshard.core.traffic import reset_traffic, traffic_bytes
-from fullshard.mindspore import collectives
+from fullshard.mindspore import buckets
 from tests.ms_parity import (
     TinyLM,
     assert_close,
@@ -311,7 +311,7 @@ def unshard_reshard():
 def prefetch():
     """Explicit prefetch: layer 1 is gathered in layer 0's pre-forward, layer 0 again in layer 1's backward."""
     events = []
-    original = collectives.gather_bucket
+    original = buckets.gather_bucket
 
     def recording(plan, index, comm):
         events.append(plan.module_name)
@@ -326,8 +326,8 @@ def prefetch():
             layer.register_backward_pre_hook(lambda cell, grad: events.append(f"backward {id(cell)}"))
         net.order = [id(layer) for layer in net.layers]
 
-    from fullshard.mindspore import unshard
-    unshard.gather_bucket = recording
+    from fullshard.mindspore import group as group_module
+    group_module.gather_bucket = recording
     holder = {}
 
     def before(net, step):
@@ -336,7 +336,7 @@ def prefetch():
     try:
         result = run_parity(wrap=wrap, steps=2, before_step=before)
     finally:
-        unshard.gather_bucket = original
+        group_module.gather_bucket = original
     first, second = holder["order"]
     step = events[events.index("step 1"):]
     forward0, forward1 = step.index(f"forward {first}"), step.index(f"forward {second}")

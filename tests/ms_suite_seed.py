@@ -9,7 +9,7 @@ from __future__ import annotations
 import mindspore as ms
 
 import fullshard.mindspore as fs
-from fullshard.mindspore import buffers, grads
+from fullshard.mindspore import buckets, buffers
 from fullshard.plan import Ownership, ReducePlan
 from tests.ms_parity import TinyLM, assert_close, init_numpy, lm_batch, lm_loss, local_rows, shard_of, wrap_layers
 
@@ -24,7 +24,7 @@ def seed_bug_in_bprop():
     wrap_layers(net, mp_policy=mp, strategy="optim_grads_params", comm_fusion=False)
     params = net.trainable_params()
     ids, labels = lm_batch(0, 4)
-    plan_reduce, pack_grads = grads.plan_reduce, grads.pack_grads
+    plan_reduce, pack_grads = buckets.plan_reduce, buckets.pack_grads
 
     def always_pack(*args, **kwargs):
         plan = plan_reduce(*args, **kwargs)
@@ -35,7 +35,7 @@ def seed_bug_in_bprop():
             return gradients[0].astype(dtype).reshape(-1)  # the seed's "copy": the same storage
         return pack_grads(bucket, members, gradients, dtype)
 
-    grads.plan_reduce, grads.pack_grads = always_pack, seed_pack
+    buckets.plan_reduce, buckets.pack_grads = always_pack, seed_pack
     try:
         ms.value_and_grad(lambda: lm_loss(net, local_rows(ids), local_rows(labels)), None, params)()
     except fs.OwnershipError as error:
@@ -43,7 +43,7 @@ def seed_bug_in_bprop():
     else:
         raise AssertionError("the sanitizer let the seed's bug through")
     finally:
-        grads.plan_reduce, grads.pack_grads = plan_reduce, pack_grads
+        buckets.plan_reduce, buckets.pack_grads = plan_reduce, pack_grads
     assert "reduce-scatter input of [" in message and "incoming gradient of '" in message, message
     named = message.split("incoming gradient of '", 1)[1].split("'", 1)[0]
     assert named in {p.name for p in params}, (named, message)

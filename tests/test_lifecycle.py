@@ -351,3 +351,55 @@ def test_a_root_adopts_the_units_below_it_once_and_a_disagreement_undoes_it():
 def test_every_transition_is_a_move_between_named_phases():
     phases = {phase for move in TRANSITIONS for phase in (move[0], move[2])}
     assert phases == set(TrainingPhase)
+
+
+def test_a_unit_outside_the_roots_modules_joins_the_active_root_and_one_alone_is_its_own_root():
+    log = []
+    root, blocks = model(log)
+    context = root.lazy_init_as_root()
+    outside = FakeUnit(Module(), [FakeGroup("outside", log)])
+    FakeUnit.active.root = root
+    try:
+        assert outside.ensure_context() is context and outside in context.units and outside.is_root is False
+    finally:
+        FakeUnit.active.root = None
+    alone = FakeUnit(Module(), [FakeGroup("alone", log)])
+    assert alone.ensure_context() is not context and alone.is_root
+
+
+class BatchingRoot(FakeRoot):
+    fuse_reductions_below = 3  # bytes, with each fake gradient counting 1
+
+
+def test_reductions_are_batched_across_units_until_the_batch_is_large_enough():
+    log = []
+    root, blocks = model(log)
+    for unit in [root, *blocks]:
+        unit.root_class = BatchingRoot
+        for group in unit.groups:
+            group.pending_grad_bytes = lambda group=group: group.grads
+    forward(root, blocks)
+    log.clear()
+    for unit in [root, *reversed(blocks)]:
+        unit.pre_backward()
+        unit.groups[0].grads += 1
+        unit.post_backward()
+        if unit is root:
+            assert not [e for e in log if e.startswith("reduce")], "one unit's gradients wait for the batch"
+    # the third unit's gradients fill the batch: one flush reduces all three, before the end of backward
+    assert [e for e in log if e.startswith("reduce ")] == ["reduce root", "reduce block1", "reduce block0"]
+    end_backward(root)
+    assert log.count("reduced root") == 1
+
+
+def test_a_batch_not_full_at_the_end_of_backward_is_reduced_there():
+    log = []
+    root, blocks = model(log)
+    for unit in [root, *blocks]:
+        unit.root_class = BatchingRoot
+    forward(root, blocks)
+    log.clear()
+    backward(root, blocks, end=False)
+    assert not [e for e in log if e.startswith("reduce")]
+    end_backward(root)
+    assert [e for e in log if e.startswith("reduce ")] == ["reduce root", "reduce block1", "reduce block0"]

@@ -15,7 +15,7 @@ UNITS = {"num_params": 1000, "largest_unit": 400, "root_params": 200}
 def _results(framework: str) -> list[dict]:
     theory = None
     if framework == "mindspore":  # what the MindSpore worker hands in: memory_report's theory
-        figures = per_rank_theory(Strategy.OPTIM_GRADS_PARAMS, 2, 1000, 400, 200, defers_reduction=False)
+        figures = per_rank_theory(Strategy.OPTIM_GRADS_PARAMS, 2, 1000, 400, 200)
         carried = {"all_gather": figures["traffic"]["all_gather"], "reduce_scatter": 0.0,
                    "all_reduce": figures["traffic"]["reduce_scatter"]}
         theory = {"memory": figures["memory"], "traffic": figures["traffic"], "sent": figures["sent"],

@@ -1,12 +1,8 @@
 """fullshard.core.units: what both runtimes' units share, on plain Python objects (no framework)."""
-import threading
 from types import SimpleNamespace
 
-import pytest
-
-from fullshard.core.units import (
-    STATE_ATTR, BucketNames, RootedUnit, configure, distinct_states, named_under, owners_of_params,
-)
+from fullshard.core.lifecycle import distinct_units
+from fullshard.core.units import STATE_ATTR, BucketNames, configure_groups, named_under, owners_of_params
 
 
 class Node:
@@ -40,76 +36,16 @@ def test_owners_of_several_tops_are_prefixed_by_index():
     assert found[id(a)][0][2] == "[0].w" and found[id(b)][0][2] == "[1].w"
 
 
-def test_distinct_states_once_each_in_order_and_configure_reaches_every_group():
-    group = SimpleNamespace(reducer=SimpleNamespace(reduce_grads=True))
+def test_distinct_units_once_each_in_order_and_configure_reaches_every_group():
+    group = SimpleNamespace(reduce_grads=True)
     shared = SimpleNamespace(groups=[group])
     other = SimpleNamespace(groups=[])
     modules = [SimpleNamespace(**{STATE_ATTR: shared}), SimpleNamespace(), SimpleNamespace(**{STATE_ATTR: shared}),
                SimpleNamespace(**{STATE_ATTR: other})]
-    states = distinct_states(modules)
-    assert states == [shared, other]
-    configure(states, "reducer", {"reduce_grads": False})
-    assert group.reducer.reduce_grads is False
-    configure(states, "group", {"flag": 1})
-    assert group.flag == 1
-
-
-class Context:
-    agree = True
-
-    def __init__(self, root):
-        self.states = [root]
-
-    def adopt(self, name, state):
-        state.context, state.is_root, state.adopted_as = self, False, name
-        self.states.append(state)
-
-    def check_ranks_agree(self):
-        if not self.agree:
-            raise RuntimeError("ranks disagree")
-
-
-class Unit(RootedUnit):
-    root_context, active = Context, threading.local()
-
-    def __init__(self, *subunits):
-        super().__init__(mp_policy=None, strategy=None, reshard_after_forward=None)
-        self.subunits = subunits
-
-    def _named_submodules(self):
-        yield "", SimpleNamespace(**{STATE_ATTR: self})
-        for index, sub in enumerate(self.subunits):
-            yield f"layers.{index}", SimpleNamespace(**{STATE_ATTR: sub})
-
-
-def test_the_root_adopts_the_units_below_it_by_path_and_a_late_unit_joins_the_active_root():
-    layer0, layer1 = Unit(), Unit()
-    root = Unit(layer0, layer1)
-    context = root._lazy_init_as_root()
-    assert root.is_root and context.states == [root, layer0, layer1]
-    assert (layer0.adopted_as, layer1.adopted_as, layer1.is_root) == ("layers.0", "layers.1", False)
-    assert root._lazy_init_as_root() is context  # once
-    outside = Unit()
-    Unit.active.root = root
-    try:
-        assert outside._ensure_context() is context and outside.adopted_as == ""
-    finally:
-        Unit.active.root = None
-    alone = Unit()
-    assert alone._ensure_context() is not context and alone.is_root  # no root running: its own root
-
-
-def test_a_failed_rank_agreement_undoes_the_adoption():
-    layer = Unit()
-    root = Unit(layer)
-
-    class Disagreeing(Context):
-        agree = False
-
-    root.root_context = Disagreeing
-    with pytest.raises(RuntimeError, match="disagree"):
-        root._lazy_init_as_root()
-    assert (root.context, root.is_root, layer.context, layer.is_root) == (None, None, None, None)
+    units = distinct_units(modules)
+    assert units == [shared, other]
+    configure_groups(units, {"reduce_grads": False, "flag": 1})
+    assert group.reduce_grads is False and group.flag == 1
 
 
 class Plan(BucketNames):

@@ -124,7 +124,7 @@ def _theory(trainer: Trainer, world: int, counts: dict) -> dict:
     # data parallel: no_shard's formula; an all-reduce travels as it is
     return report_theory(Strategy.NO_SHARD, world, [counts["largest_unit"]], 0,
                          other_params=counts["num_params"] - counts["largest_unit"], param_bytes=4, compute_bytes=4,
-                         reduce_bytes=4, adam=True, defers_reduction=False)
+                         reduce_bytes=4, adam=True)
 
 
 def measure(label: str, strategy: str, options: dict, rank: int, world: int, counts: dict) -> tuple[Trainer, dict]:

@@ -23,7 +23,6 @@ def report_theory(
     compute_bytes: int,
     reduce_bytes: int,
     adam: bool,
-    defers_reduction: bool = True,
     collectives: Optional[Collectives] = None,
 ) -> dict:
     """Memory, traffic and bytes sent per rank for a model of ``unit_params`` (one entry per fully_shard
@@ -36,7 +35,7 @@ def report_theory(
     theory = per_rank_theory(
         strategy, world, sum(unit_params) + other_params, max(unit_params), root_params,
         param_bytes=param_bytes, optim_bytes=2 * param_bytes if adam else 0, compute_bytes=compute_bytes,
-        reduce_bytes=reduce_bytes, defers_reduction=defers_reduction,
+        reduce_bytes=reduce_bytes,
     )
     figures = {"memory": theory["memory"], "traffic": theory["traffic"], "sent": theory["sent"]}
     if collectives is not None:

@@ -343,6 +343,12 @@ class Borrowed:
             self._key = None
         self.tensor = None
 
+    def __del__(self) -> None:
+        # Dropped without release (its holder went away mid-step): forget the registration, or a later
+        # allocation at the same address would look borrowed.
+        if getattr(self, "_key", None) is not None:
+            self.release()
+
 
 def release_all(buffers: list[Optional[Owned | Borrowed]], idle: bool = True) -> None:
     """Let go of transient buffers once their collective is done.

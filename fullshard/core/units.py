@@ -10,9 +10,9 @@ children, how to build its root context).
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable, Optional
+from typing import Any, Callable, Iterable
 
-from fullshard.core.lifecycle import STATE_ATTR, TrainingPhase
+from fullshard.core.lifecycle import STATE_ATTR
 
 Named = Iterable[tuple[str, Any]]
 
@@ -59,98 +59,12 @@ def named_under(tops: list[Any], named_modules: Callable[[Any], Named]) -> Named
             yield (f"{prefix}{name}" if name else prefix.rstrip(".")), sub
 
 
-def distinct_states(modules: Iterable[Any]) -> list[Any]:
-    """The units of ``modules``, each once, in order (a group of several modules has one state)."""
-    seen, states = set(), []
-    for module in modules:
-        state = getattr(module, STATE_ATTR, None)
-        if state is not None and id(state) not in seen:
-            seen.add(id(state))
-            states.append(state)
-    return states
-
-
 def configure_groups(units: Iterable[Any], values: dict[str, Any]) -> None:
-    """Set ``values`` on every group of ``units`` (a runtime whose groups hold every setting)."""
+    """Set ``values`` on every group of ``units`` (an FSDPModule setter reaching every group in reach)."""
     for unit in units:
         for group in unit.groups:
             for name, value in values.items():
                 setattr(group, name, value)
-
-
-def configure(states: Iterable[Any], part: str, values: dict[str, Any]) -> None:
-    """Set ``values`` on one part ("group", "unsharder" or "reducer") of every group of ``states``."""
-    for state in states:
-        for group in state.groups:
-            target = group if part == "group" else getattr(group, part)
-            for name, value in values.items():
-                setattr(target, name, value)
-
-
-class RootedUnit:
-    """How a unit finds its root: the root's first forward adopts every unit below it.
-
-    A runtime's unit state subclasses this, sets the two class attributes and
-    provides ``lifecycle`` and :meth:`_named_submodules`; ``__init__`` holds the
-    state every unit has, whatever its framework.
-    """
-
-    root_context: type  # the runtime's RootContext: RootContext(root_state)
-    active: Any  # a threading.local; ``.root``: the root whose forward runs in this thread
-
-    def __init__(self, mp_policy: Any, strategy: Any, reshard_after_forward: Optional[bool]) -> None:
-        self.mp_policy = mp_policy
-        self.strategy = strategy
-        self._reshard_after_forward = reshard_after_forward
-        self.phase = TrainingPhase.IDLE
-        self.is_root = None
-        self.context = None  # the root's, once a root forward ran
-        # Explicit prefetch targets (set_modules_to_*_prefetch); empty: the implicit
-        # neighbour in the order the root recorded during its first forward.
-        self.forward_prefetch: list[Any] = []
-        self.backward_prefetch: list[Any] = []
-        self._forward_done: set[int] = set()  # modules of this unit whose forward ran in this pass
-        # Forwards since the last end of backward whose outputs need a gradient: their backward is to come.
-        self.forwards_with_grad = 0
-
-    def _named_submodules(self) -> Named:
-        """(path, module) of every module under this unit's, itself included (see :func:`named_under`)."""
-        raise NotImplementedError
-
-    @property
-    def reshard_after_forward(self) -> bool:
-        return self.lifecycle.reshard_after_forward
-
-    @reshard_after_forward.setter
-    def reshard_after_forward(self, value: bool) -> None:
-        self._reshard_after_forward = value
-
-    def _lazy_init_as_root(self) -> Any:
-        if self.context is not None:
-            return self.context
-        context = self.root_context(self)
-        self.context, self.is_root = context, True
-        for name, sub in self._named_submodules():
-            state = getattr(sub, STATE_ATTR, None)
-            if state is not None and state not in context.states:
-                context.adopt(name, state)  # also takes over a unit that ran alone before
-        try:
-            context.check_ranks_agree()
-        except Exception:
-            for state in context.states:  # undone: the next forward checks again
-                state.context, state.is_root = None, None
-            raise
-        return context
-
-    def _ensure_context(self) -> Any:
-        """A unit outside its root's modules (called from the root's forward) joins the active root."""
-        if self.context is None:
-            root = getattr(self.active, "root", None)
-            if root is not None and root.context is not None:
-                root.context.adopt("", self)
-            else:
-                self._lazy_init_as_root()
-        return self.context
 
 
 class BucketNames:

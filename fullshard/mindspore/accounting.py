@@ -58,6 +58,10 @@ def memory_report(cell: nn.Cell, optimizer: Optional[nn.Optimizer] = None) -> di
         # owned gradients kept across backward passes: main_grad, accumulators while sync is off, partial sums
         "main_grad": meter["main_grad_live"],
         "optim": _nbytes(optim_state),
+        # unsharded gradients (autograd's) held until their reduction, at most, in the last backward: a whole
+        # model's for ZeRO-1, which reduces at the end of backward as DP does; a batch's for the others
+        "grads_in_backward": max((s.context.peak_pending_grad_bytes for s in states if s.context is not None),
+                                 default=0),
         "comm_live": meter["live"],  # all owned storage: unsharded parameters, buffers, main gradients
         "comm_peak": meter["peak"],
         "transient_peak": meter["transient_peak"],  # communication buffers only
@@ -76,7 +80,7 @@ def memory_report(cell: nn.Cell, optimizer: Optional[nn.Optimizer] = None) -> di
             sum(p.layout.numel for g in root.groups for p in g.params),
             param_bytes=dtype_bytes(sample.stored_dtype), compute_bytes=dtype_bytes(sample.compute_dtype),
             reduce_bytes=dtype_bytes(group.plan.wire_dtype(group.plan.reduce_dtype(sample))),
-            adam=isinstance(optimizer, (nn.Adam, nn.AdamWeightDecay)), defers_reduction=False,
+            adam=isinstance(optimizer, (nn.Adam, nn.AdamWeightDecay)),
             collectives=group.plan.collectives,
         )
     return report

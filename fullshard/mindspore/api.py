@@ -9,16 +9,16 @@ from mindspore import Parameter, nn
 
 from fullshard.core.units import STATE_ATTR, owners_of_params
 from fullshard.mindspore.autograd import in_pynative_mode
-from fullshard.mindspore.exchange import Comm
+from fullshard.mindspore.collectives import Comm
 from fullshard.mindspore.group import ParamGroup
 from fullshard.mindspore.mesh import DeviceMesh, Shard, default_mesh
 from fullshard.mindspore.module import FSDP_CLASSES, FSDPModule
 from fullshard.mindspore.param import MANAGED_ATTR, ShardedParam
 from fullshard.mindspore.policies import check_mp_policy, check_offload_policy
-from fullshard.mindspore.state import ShardState
+from fullshard.mindspore.unit import ShardedUnit
 from fullshard.plan import DEFAULT_FUSE_BELOW_NUMEL, Exchange, ShardLayout
 from fullshard.plan.backends import Collectives, choose_collectives
-from fullshard.plan.strategy import Strategy, lifecycle
+from fullshard.plan.strategy import AfterBackward, Strategy, lifecycle
 
 def _owners_of_params(cells: list[nn.Cell]) -> tuple[dict[int, list[tuple[nn.Cell, str, str]]], dict[int, Parameter]]:
     """Every (cell, attribute name, path) holding each parameter, skipping cells already sharded."""
@@ -181,7 +181,7 @@ def fully_shard(
     replica_comm = Comm(mesh.get_group(0), mesh.size(0), mesh.get_local_rank(0)) if mesh.ndim == 2 else None
     if replica_comm is not None and replica_comm.size == 1:
         replica_comm = None
-    flags = lifecycle(strategy, is_root=False, reshard_after_forward=reshard_after_forward, defers_reduction=False)
+    flags = lifecycle(strategy, is_root=False, reshard_after_forward=reshard_after_forward)
     fuse = DEFAULT_FUSE_BELOW_NUMEL if comm_fusion else 0
     sharded = [
         ShardedParam(param, holders, path, layout, rank, mp.param_dtype, mp.apply_grad_on_fp32_main_grad, replicated)
@@ -198,12 +198,13 @@ def fully_shard(
             collectives = choose_collectives(mesh.backend, world, mesh.is_world_group(shard_dim))
         groups.append(ParamGroup(
             members, shard_comm, replica_comm, mp.reduce_dtype, name, collectives, mesh.backend, fuse,
-            replicated=replicated, reshard_after_backward=flags.reshard_after_backward,
+            replicated=replicated,
+            after_backward=AfterBackward.RESHARD if flags.reshard_after_backward else AfterBackward.KEEP_STORAGE,
         ))
     # From here on the cells are changed.
     for param in sharded:
         param.install()
-    state = ShardState(cells, groups, mp, reshard_after_forward, strategy)
+    state = ShardedUnit(cells, groups, mp, reshard_after_forward, strategy)
     for c in cells:
         object.__setattr__(c, STATE_ATTR, state)
         cls = type(c)

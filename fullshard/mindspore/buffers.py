@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from typing import Any, Iterable
 
+import mindspore as ms
 from mindspore import Tensor, ops
 
 from fullshard.core import buffers as core
@@ -92,8 +93,13 @@ def accumulate(buffer: Owned, value: Tensor, operation: str) -> None:
 
 
 def assign(buffer: Owned, value: Tensor, operation: str) -> None:
-    """``buffer[...] = value``, in place."""
-    ops.assign(buffer.writable(operation), value)
+    """``buffer[...] = value``, in place. The CPU backend has no bfloat16 Assign: those go through ``copy_``
+    (which refuses a slice of a larger storage as its source; a cast to bfloat16 is a tensor of its own)."""
+    target = buffer.writable(operation)
+    if target.dtype == ms.bfloat16:
+        target.copy_(value)
+    else:
+        ops.assign(target, value)
 
 
 def refill(buffer: Owned, source: Tensor) -> None:

@@ -31,7 +31,7 @@ from fullshard.core.atomic import partial_dir, publish, start_partial
 from fullshard.core.shardfiles import MODEL, OPTIM, Piece, ShardedCheckpoint, key
 from fullshard.core.tensorfile import Array
 from fullshard.mindspore.autograd import no_grad
-from fullshard.mindspore.collectives import gather_full
+from fullshard.mindspore.buckets import gather_full
 from fullshard.mindspore.param import sharded_param_of
 from fullshard.mindspore.policies import dtype_name, dtype_named
 
@@ -203,7 +203,7 @@ def _forget_unsharded_copies(cell: nn.Cell) -> None:
             continue
         seen.add(id(state))
         for group in state.groups:
-            group.unsharder.mark_stale()
+            group.mark_stale()
 
 
 def export_checkpoint(path: Union[str, Path], out_file: Union[str, Path]) -> Path:

@@ -1,192 +1,104 @@
-"""All-gather and reduction of one bucket, carrying out the ownership plan.
+"""All-gather, reduce-scatter and all-reduce over a MindSpore group, the way ``fullshard.plan.backends`` chose.
 
-No layout arithmetic lives here: offsets and lengths come from
-``fullshard.plan``. Every tensor fullshard reads from someone else (a shard,
-a gradient autograd hands over) is registered as borrowed while it is read,
-so in debug mode an "allocating" op that returned its storage instead (the
-seed's same-dtype cast) fails the moment it is adopted, naming the buffer.
+MindSpore's collectives are out of place: each returns new storage and only
+reads its input, so the caller may pass storage it merely borrows. On CPU
+(mccl) every call blocks until done; nothing here is asynchronous. Each call
+counts the bytes it really carried in ``fullshard.core.traffic``, under the
+collective that carried them: an emulated reduce-scatter or sub-group gather
+counts as the all-reduce it is.
 """
 from __future__ import annotations
 
-from typing import Any, Optional, Sequence
+from dataclasses import dataclass
+from typing import Optional
 
 from mindspore import Tensor, mint, ops
 
+from fullshard.core.traffic import traffic
 from fullshard.mindspore import buffers
-from fullshard.mindspore import exchange as transport
-from fullshard.mindspore.buffers import Borrowed, Kind, Owned
-from fullshard.mindspore.exchange import Comm
-from fullshard.mindspore.group_plan import GroupPlan
-from fullshard.mindspore.param import ShardedParam
-from fullshard.mindspore.policies import dtype_name, dtype_named
-from fullshard.plan import BucketLayout, Exchange, Ownership, ReducePlan, ShardedGrad, Unsharded, plan_buckets
-from fullshard.plan.backends import Backend, carrier_dtype, is_bit_cast
+from fullshard.plan import Exchange
 
 
-def _padded(x: Optional[Tensor], param: ShardedParam, length: int, dtype: Any) -> Tensor:
-    """``x`` (``length`` long on the shard dim; None when 0) grown to the padded chunk with zeros; as is
-    without padding."""
-    layout = param.layout
-    missing = layout.chunk - length
-    if not missing:
-        return x
-    pad_shape = layout.shape[: layout.dim] + (missing,) + layout.shape[layout.dim + 1 :]
-    zeros = ops.zeros(pad_shape, dtype)
-    return mint.cat([x, zeros], layout.dim) if length else zeros
+@dataclass(frozen=True)
+class Comm:
+    """One group as the collectives see it: its name (None: this rank alone), size and this rank's index."""
+
+    group: Optional[str]
+    size: int
+    rank: int
 
 
-def pack_shards(bucket: BucketLayout, params: Sequence[ShardedParam], dtype: Any) -> Tensor:
-    """This rank's padded chunk of every member, back to back, in ``dtype``: always new storage."""
-    parts = []
-    for param in params:
-        shard = param.sharded
-        x = shard.astype(dtype) if shard.dtype != dtype else shard
-        length = param.layout.local_length(param.rank)
-        parts.append(_padded(x if length else None, param, length, dtype).reshape(-1))
-    return mint.cat(parts)  # allocates, even for one part
+_PRIMITIVES: dict = {}
 
 
-def _chunk_of(flat: Tensor, start: int, param: ShardedParam, length: int) -> Tensor:
-    """The ``length`` rows (on the shard dim) of a padded chunk starting at ``start`` of a flat buffer: a view.
-
-    ``narrow``, not ``flat[a:b]``: in PyNative a slice index copies the slice (measured: 2.4 ms against
-    0.16 ms for a 216 KiB chunk on this CPU; docs/performance.md, "MindSpore").
-    """
-    layout = param.layout
-    chunk = flat.narrow(0, start, layout.padded_chunk_numel).reshape(layout.padded_chunk_shape)
-    return chunk if length == layout.chunk else chunk.narrow(layout.dim, 0, length)
-
-
-def unpack_member(flat: Tensor, bucket: BucketLayout, index: int, param: ShardedParam) -> Tensor:
-    """Member ``index``'s full tensor out of a flat rank-major all-gather output, padding dropped: new storage
-    (``mint.cat`` allocates even for one piece)."""
-    layout = param.layout
-    pieces = [_chunk_of(flat, rank * bucket.chunk_numel + bucket.offsets[index], param, layout.local_length(rank))
-              for rank in range(bucket.world) if layout.local_length(rank)]
-    return mint.cat(pieces, layout.dim)
-
-
-def _to_carrier(source: Tensor, carrier: Any, bit_cast: bool, transient: list, label: str) -> Tensor:
-    if bit_cast:
-        return source.view(carrier)  # the same bytes (bf16 as fp16 bits)
-    if source.dtype != carrier:
-        transient.append(buffers.adopt(source.astype(carrier), f"widened all-gather input of {label}", (source,)))
-        return transient[-1].tensor
-    return source
-
-
-def _from_carrier(flat: Tensor, dtype: Any, bit_cast: bool, transient: list, label: str, sent: Tensor) -> Tensor:
-    if bit_cast:
-        return flat.view(dtype)
-    if flat.dtype != dtype:
-        transient.append(buffers.adopt(flat, f"widened all-gather output of {label}", (sent,)))
-        return flat.astype(dtype)
-    return flat
-
-
-def gather_bucket(plan: GroupPlan, index: int, comm: Comm) -> list[Owned]:
-    """All-gather one bucket; each member's unsharded tensor, in the compute dtype, as owned storage.
-
-    A lone dim-0 shard without padding gathers straight into the parameter's shape: the output is the
-    unsharded parameter (``Unsharded.OUTPUT``). The others travel as flat padded chunks and are copied
-    out of the output into tensors of their own (never views: ``RuntimeFacts.reclaims_views``).
-    """
-    bucket, gather, members = plan.buckets[index], plan.gather_plans[index], plan.members(index)
-    label = plan.labels[index]
-    dtype = members[0].compute_dtype
-    carrier, bit_cast = plan.gather_carrier(index)
-    whole = gather.unsharded is Unsharded.OUTPUT
-    shards = [p.sharded for p in members]
-    lent = [buffers.borrow(p.sharded, f"sharded parameter '{p.fqn}'") for p in members]
-    transient: list[Optional[Owned | Borrowed]] = []
-    try:
-        if gather.input is Ownership.BORROWED:
-            shard = members[0].sharded
-            transient.append(buffers.borrow(shard if whole else shard.reshape(-1), f"all-gather input of {label}"))
-        elif whole:  # lone, unpadded: only a cast, which allocates
-            transient.append(buffers.adopt(members[0].sharded.astype(dtype), f"all-gather input of {label}", shards))
+def _primitive(kind: str, group: str):
+    key = (kind, group)
+    if key not in _PRIMITIVES:
+        if kind == "all_gather":
+            _PRIMITIVES[key] = ops.AllGather(group=group)
+        elif kind == "all_reduce":
+            _PRIMITIVES[key] = ops.AllReduce(op=ops.ReduceOp.SUM, group=group)
         else:
-            transient.append(buffers.adopt(pack_shards(bucket, members, dtype), f"all-gather input of {label}", shards))
-        source = _to_carrier(transient[-1].tensor, carrier, bit_cast, transient, label)
-        flat = transport.all_gather(plan.collectives.gather, source, comm, label)
-        read = (source, *shards)  # what this rank's gather read: its output must be storage of its own
-        if whole:
-            param = members[0]
-            if flat.dtype != dtype:  # widened on the wire: narrowing back allocates the parameter's own tensor
-                transient.append(buffers.adopt(flat, f"widened all-gather output of {label}", read))
-                flat = flat.astype(dtype)
-            return [buffers.adopt(flat, f"unsharded parameter '{param.fqn}' of cell '{plan.module_name}'", read,
-                                  Kind.WORKING)]
-        flat = _from_carrier(flat, dtype, bit_cast, transient, label, source)
-        transient.append(buffers.adopt(flat, f"all-gather output of {label}", read))
-        return [
-            buffers.adopt(unpack_member(flat, bucket, i, p), f"unsharded parameter '{p.fqn}' of cell '{plan.module_name}'",
-                          (flat, *read), Kind.WORKING)
-            for i, p in enumerate(members)
-        ]
-    finally:
-        for lender in lent:
-            lender.release()
-        buffers.release_all(transient)
+            _PRIMITIVES[key] = ops.ReduceScatter(op=ops.ReduceOp.SUM, group=group)
+    return _PRIMITIVES[key]
 
 
-def gather_full(param: ShardedParam, comm: Comm, exchange: Exchange, backend: Backend) -> Tensor:
-    """The whole parameter in its stored dtype, gathered from the shards (new storage; no autograd)."""
-    if param.replicated:
-        return param.sharded.copy()
-    bucket = plan_buckets([param.layout], 0)[0]
-    label = f"'{param.fqn}' (full state dict)"
-    dtype = dtype_name(param.stored_dtype)
-    carrier = carrier_dtype(backend, dtype, summed=exchange is Exchange.ZERO_FILLED_ALL_REDUCE)
-    bit_cast = is_bit_cast(dtype, carrier)
-    transient: list = []
-    lent = buffers.borrow(param.sharded, f"sharded parameter '{param.fqn}'")
+def all_gather(exchange: Exchange, chunk: Tensor, comm: Comm, label: str) -> Tensor:
+    """Every rank's ``chunk`` (the same shape everywhere) concatenated along dim 0, rank-major, in new storage."""
+    if exchange is Exchange.LOCAL:
+        return chunk.copy()
+    if exchange is Exchange.COLLECTIVE:
+        out = _primitive("all_gather", comm.group)(chunk)
+        traffic["all_gather"] += out.nbytes
+        return out
+    if exchange is not Exchange.ZERO_FILLED_ALL_REDUCE:
+        raise ValueError(f"all-gather of {label}: the MindSpore runtime has no {exchange.value} exchange")
+    # Zero everywhere but this rank's chunk; the sum over the group is then every rank's chunk in place.
+    rows, rest = chunk.shape[0], tuple(chunk.shape[1:])
+    before, after = comm.rank * rows, (comm.size - comm.rank - 1) * rows
+    parts = [ops.zeros((before,) + rest, chunk.dtype), chunk, ops.zeros((after,) + rest, chunk.dtype)]
+    filled = buffers.adopt(mint.cat([p for p in parts if p.shape[0]]), f"zero-filled all-gather buffer of {label}",
+                           (chunk,))
     try:
-        transient.append(buffers.adopt(pack_shards(bucket, [param], param.stored_dtype), f"all-gather input of {label}",
-                                       (param.sharded,)))
-        source = _to_carrier(transient[-1].tensor, dtype_named(carrier), bit_cast, transient, label)
-        flat = _from_carrier(transport.all_gather(exchange, source, comm, label), param.stored_dtype, bit_cast,
-                             transient, label, source)
-        transient.append(buffers.adopt(flat, f"all-gather output of {label}", (source, param.sharded)))
-        full = unpack_member(flat, bucket, 0, param)
-        buffers.check_fresh(full, (flat,), f"full '{param.fqn}' (copied out of the all-gather output, freed next)")
-        return full
+        out = _primitive("all_reduce", comm.group)(filled.tensor)
+        traffic["all_reduce"] += out.nbytes
     finally:
-        lent.release()
-        buffers.release_all(transient)
+        filled.reclaim()
+    return out
 
 
-def pack_grads(bucket: BucketLayout, params: Sequence[ShardedParam], grads: Sequence[Tensor], dtype: Any) -> Tensor:
-    """The reduction's input: every rank's padded chunk of every member's gradient, rank-major, in ``dtype``.
+def reduce_scatter(exchange: Exchange, flat: Tensor, comm: Comm) -> tuple[Tensor, int]:
+    """The sum over the group of every rank's ``flat`` (rank-major), and where this rank's chunk starts in it.
 
-    Always new storage (casts, padding and ``mint.cat`` allocate).
+    The backend's reduce-scatter returns only the chunk (offset 0); the
+    emulation returns the whole sum (``Exchange.ALL_REDUCE_CHUNK``), the
+    chunk at ``rank * len(flat) / size``.
     """
-    grads = [g.astype(dtype) if g.dtype != dtype else g for g in grads]
-    rows = []
-    for rank in range(bucket.world):
-        for param, grad in zip(params, grads):
-            layout = param.layout
-            length = layout.local_length(rank)
-            piece = grad.narrow(layout.dim, layout.local_offset(rank), length) if length else None
-            rows.append(_padded(piece, param, length, dtype).reshape(-1))
-    return mint.cat(rows)
+    if exchange is Exchange.LOCAL:
+        return flat.copy(), 0
+    if exchange is Exchange.COLLECTIVE:
+        out = _primitive("reduce_scatter", comm.group)(flat)
+        traffic["reduce_scatter"] += flat.nbytes
+        return out, 0
+    out = _primitive("all_reduce", comm.group)(flat)
+    traffic["all_reduce"] += out.nbytes
+    return out, comm.rank * (flat.shape[0] // comm.size)
 
 
-def member_chunk(summed: Tensor, offset: int, bucket: BucketLayout, index: int, param: ShardedParam) -> Tensor:
-    """This rank's local part of member ``index``, read out of the reduced buffer (a view)."""
-    layout = param.layout
-    length = layout.local_length(param.rank)
-    if not length:  # this rank holds none of it (narrow refuses a length of 0)
-        return ops.zeros(layout.local_shape(param.rank), summed.dtype)
-    return _chunk_of(summed, offset + bucket.offsets[index], param, length)
+def all_reduce(flat: Tensor, comm: Comm) -> Tensor:
+    """The sum of ``flat`` over the group, in new storage (a copy for a group of one)."""
+    if comm.size == 1:
+        return flat.copy()
+    out = _primitive("all_reduce", comm.group)(flat)
+    traffic["all_reduce"] += out.nbytes
+    return out
 
 
-def finish_grad(local: Tensor, plan: ReducePlan, divide_factor: float, stored_dtype: Any) -> tuple[Tensor, Tensor]:
-    """The sharded gradient (stored dtype) and the reduced value it came from (reduce dtype), from this
-    rank's view ``local`` of the reduced buffer: divided and cast out of place, or the view itself."""
-    if divide_factor != 1:
-        local = local / divide_factor  # out of place: in-place division is a no-op on CPU
-    elif plan.sharded_grad is ShardedGrad.COPY:
-        local = local.copy()
-    grad = local.astype(stored_dtype) if local.dtype != stored_dtype else local
-    return grad, local
+def sum_floats(values: list[float], comm: Comm) -> list[float]:
+    """``values`` summed over the group as float32 (a control message, not model bytes: not counted as traffic)."""
+    import numpy as np
+
+    from fullshard.mindspore.autograd import no_grad
+
+    with no_grad():
+        return _primitive("all_reduce", comm.group)(Tensor(np.asarray(values, np.float32))).asnumpy().tolist()

@@ -35,6 +35,7 @@ class GroupPlan(BucketNames):
         self.layouts = tuple(p.layout for p in params)
         # Only parameters of the same dtypes and trainability share a buffer.
         kinds = tuple((p.stored_dtype, p.compute_dtype, p.requires_grad) for p in params)
+        self.fuse_below_numel = fuse_below_numel  # gradients this large are reduced alone, too
         self.buckets = plan_buckets(self.layouts, fuse_below_numel, kinds)
         self._name_buckets()
         for index, bucket in enumerate(self.buckets):  # every dtype must travel: refused now, not in a bprop

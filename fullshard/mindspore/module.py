@@ -3,9 +3,11 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from fullshard.core.units import configure, distinct_states
+from fullshard.core.lifecycle import distinct_units
+from fullshard.core.units import configure_groups
 from fullshard.mindspore.autograd import in_pynative_mode
-from fullshard.mindspore.state import ShardState
+from fullshard.mindspore.unit import ShardedUnit
+from fullshard.plan.strategy import AfterBackward
 
 # The dynamic subclass fully_shard gives each cell class: FSDP<Orig>(FSDPModule, Orig).
 FSDP_CLASSES: dict[type, type] = {}
@@ -30,38 +32,38 @@ class FSDPModule:
             )
         return super().__call__(*args, **kwargs)
 
-    def _fullshard_states(self, recurse: bool) -> list[ShardState]:
-        return distinct_states([sub for _, sub in self.cells_and_names()] if recurse else [self])
+    def _fullshard_states(self, recurse: bool) -> list[ShardedUnit]:
+        return distinct_units([sub for _, sub in self.cells_and_names()] if recurse else [self])
 
-    def _configure(self, recurse: bool, part: str, **values: Any) -> None:
-        """Set ``values`` on one part ("group", "unsharder" or "reducer") of every group in reach."""
-        configure(self._fullshard_states(recurse), part, values)
+    def _configure(self, recurse: bool, **values: Any) -> None:
+        """Set ``values`` on every group in reach."""
+        configure_groups(self._fullshard_states(recurse), values)
 
     def unshard(self, async_op: bool = False) -> Optional[UnshardHandle]:
         """Gather this cell's parameters now; until ``reshard()`` its attributes show the full tensors,
         and its forward runs on them."""
         state = self._fullshard_state
         for group in state.groups:
-            group.unsharder.unshard()
-            group.unsharder.show()
-            group.unsharder.requested = True  # kept for the next forward, even across steps
+            group.unshard_now()
+            group.show()
+            group.held = True  # kept until reshard(), across forwards and steps
         return UnshardHandle() if async_op else None
 
     def reshard(self) -> None:
         """Free the unsharded parameters and show the shards again."""
         for group in self._fullshard_state.groups:
-            group.unsharder.reshard()
+            group.reshard()
 
     def set_requires_gradient_sync(self, requires_gradient_sync: bool, recurse: bool = True) -> None:
         """False: sum gradients locally (owned accumulators), no communication; the gradients returned
         meanwhile are zeros. The next backward with True reduces the sum."""
-        self._configure(recurse, "reducer", reduce_grads=bool(requires_gradient_sync),
+        self._configure(recurse, reduce_grads=bool(requires_gradient_sync),
                         all_reduce_grads=bool(requires_gradient_sync))
 
     def set_requires_all_reduce(self, requires_all_reduce: bool, recurse: bool = True) -> None:
         """HSDP: False keeps the reduced chunks as owned partial sums, without summing across replicas,
         until a backward with True (gradients returned meanwhile are zeros). No effect on a 1-D mesh."""
-        self._configure(recurse, "reducer", all_reduce_grads=bool(requires_all_reduce))
+        self._configure(recurse, all_reduce_grads=bool(requires_all_reduce))
 
     def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True) -> None:
         if not isinstance(reshard_after_forward, bool):
@@ -70,7 +72,8 @@ class FSDPModule:
             state.reshard_after_forward = reshard_after_forward
 
     def set_reshard_after_backward(self, reshard_after_backward: bool, recurse: bool = True) -> None:
-        self._configure(recurse, "group", reshard_after_backward=bool(reshard_after_backward))
+        after = AfterBackward.RESHARD if reshard_after_backward else AfterBackward.KEEP_STORAGE
+        self._configure(recurse, after_backward=after)
 
     def set_modules_to_forward_prefetch(self, modules: list[Any]) -> None:
         """Gather these cells' parameters right after this cell's, in forward."""
@@ -84,16 +87,17 @@ class FSDPModule:
         """Divide reduced gradients by ``factor`` instead of the data-parallel size (1.0 gives a sum)."""
         if not factor > 0:
             raise ValueError(f"gradient divide factor must be > 0, got {factor}")
-        self._configure(True, "reducer", divide_factor=float(factor))
+        self._configure(True, divide_factor=float(factor))
 
     def set_reduce_op_type(self, op: str) -> None:
         """"avg" (the default: the mean over data-parallel ranks) or "sum"."""
         if op not in ("avg", "sum"):
             raise ValueError(f"set_reduce_op_type: {op!r} is not 'avg' or 'sum'")
-        self._configure(True, "reducer", divide_factor=1.0 if op == "sum" else None)
+        self._configure(True, divide_factor=1.0 if op == "sum" else None)
 
     def set_is_last_backward(self, is_last_backward: bool) -> None:
-        """Accepted for compatibility; nothing to do: every backward completes its reductions in its bprops."""
+        """Accepted for compatibility; nothing to do: every backward completes its reductions before
+        ``value_and_grad`` returns."""
 
     def zero_grad(self) -> None:
         """Zero every ``main_grad`` in reach (MixedPrecisionPolicy(apply_grad_on_fp32_main_grad=True))."""
@@ -115,7 +119,7 @@ class FSDPModule:
 HSDPModule = FSDPModule
 
 
-def _state_of(cell: Any, caller: str) -> ShardState:
+def _state_of(cell: Any, caller: str) -> ShardedUnit:
     state = getattr(cell, "_fullshard_state", None)
     if state is None:
         raise ValueError(f"{caller}: {type(cell).__name__} is not an FSDPModule; apply fully_shard to it first")

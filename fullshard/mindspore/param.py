@@ -59,6 +59,8 @@ class ShardedParam:
         self.compute_dtype = compute_dtype or param.dtype
         # Gradients summed across backward passes without sync, full shape, in the reduce dtype (owned).
         self.grad_accumulator: Optional[Owned] = None
+        # HSDP without the replica all-reduce: this rank's reduced padded chunk, summed across backward passes.
+        self.partial: Optional[Owned] = None
         self._original = param
         with no_grad():
             local = self.local_chunk(param).copy()  # storage of its own: the full tensor can go
@@ -133,11 +135,24 @@ class ShardedParam:
         if self.main_grad is not None:
             buffers.assign(self.main_grad, ops.zeros(self.main_grad.tensor.shape, ms.float32), "zero main_grad")
 
+    def keep_partial(self, value: Tensor) -> None:
+        """Keep this rank's reduced chunk (summed with the partial sum before, when there was one) for a later
+        backward that sums across replicas."""
+        kept = buffers.adopt(value.copy(), f"partial gradient sum of '{self.fqn}'", (value,), Kind.MAIN_GRAD)
+        self.drop_partial()
+        self.partial = kept
+
+    def drop_partial(self) -> None:
+        if self.partial is not None:
+            self.partial.reclaim()
+            self.partial = None
+
     def drop_grads(self) -> None:
         """Forget gradients kept for a later synced backward."""
         if self.grad_accumulator is not None:
             self.grad_accumulator.reclaim()
             self.grad_accumulator = None
+        self.drop_partial()
 
     def __repr__(self) -> str:
         return f"ShardedParam({self.fqn}, shape={self.layout.shape}, dim={self.layout.dim})"

@@ -27,6 +27,12 @@ from typing import Hashable, Optional, Sequence
 # runtime fuses; larger ones travel alone, so they can be gathered straight into their own storage.
 DEFAULT_FUSE_BELOW_NUMEL = 1 << 16
 
+# A runtime whose collectives block (MindSpore on CPU) reduces the gradients of several units together until
+# their unsharded bytes reach this: fewer, larger collectives inside the backward, at the cost of holding
+# those gradients (autograd's, borrowed) that much longer. Runtimes with asynchronous collectives reduce each
+# unit's at once and overlap them with the backward (0).
+FUSE_REDUCTIONS_BELOW_BYTES = 8 << 20
+
 
 def ceil_div(a: int, b: int) -> int:
     return -(-a // b)
@@ -202,3 +208,12 @@ def plan_buckets(
     for members in pending.values():
         close(members)
     return tuple(buckets)
+
+
+def fused_bucket(layouts: Sequence[ShardLayout]) -> BucketLayout:
+    """Every parameter of ``layouts`` in one bucket, in order: one collective for all of them (a reduction
+    batched across a unit's buckets, or across units)."""
+    buckets = plan_buckets(layouts, fuse_below_numel=sum(l.padded_chunk_numel for l in layouts) + 1)
+    if len(buckets) != 1:
+        raise ValueError(f"{len(layouts)} parameters make {len(buckets)} buckets, not one")
+    return buckets[0]

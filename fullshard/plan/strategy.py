@@ -16,11 +16,6 @@ optim_grads_params     sharded         yes (not root)     yes                 re
 "Kept, refreshed": the unsharded parameters stay allocated across steps and
 are all-gathered again (into the same storage) in the first forward after a
 synced backward, since the optimizer changed the shards in between.
-
-A runtime that cannot hold unsharded gradients past the backward that made
-them (``defers_reduction=False``: on MindSpore each gradient leaves the
-gather's bprop as this rank's shard) reduces ZeRO-1's gradients per group as
-backward goes, like ZeRO-2's; its gradient memory is then ZeRO-2's as well.
 """
 from __future__ import annotations
 
@@ -67,20 +62,15 @@ class Lifecycle:
     reduce_at_end_of_backward: bool  # True: one reduction pass after the whole backward (ZeRO-1)
 
 
-def lifecycle(
-    strategy: Strategy, is_root: bool, reshard_after_forward: Optional[bool] = None, defers_reduction: bool = True
-) -> Lifecycle:
-    """The flags of ``strategy``; an explicit ``reshard_after_forward`` (FSDP2's argument) wins.
-
-    ``defers_reduction``: the runtime can keep unsharded gradients until the end of backward.
-    """
+def lifecycle(strategy: Strategy, is_root: bool, reshard_after_forward: Optional[bool] = None) -> Lifecycle:
+    """The flags of ``strategy``; an explicit ``reshard_after_forward`` (FSDP2's argument) wins."""
     if strategy is Strategy.NO_SHARD:
         return Lifecycle(False, False, True, False)
     if strategy is Strategy.OPTIM_GRADS_PARAMS:
         after_forward = (not is_root) if reshard_after_forward is None else reshard_after_forward
         return Lifecycle(after_forward, True, False, False)
     after_forward = False if reshard_after_forward is None else reshard_after_forward
-    return Lifecycle(after_forward, False, False, strategy is Strategy.OPTIM and defers_reduction)
+    return Lifecycle(after_forward, False, False, strategy is Strategy.OPTIM)
 
 
 def peak_state_bytes(
@@ -92,23 +82,19 @@ def peak_state_bytes(
     grad_bytes: int = 4,
     optim_bytes: int = 8,
     compute_bytes: Optional[int] = None,
-    defers_reduction: bool = True,
 ) -> dict[str, float]:
     """Per-rank bytes for parameters, gradients, optimizer state and the unsharded working copies.
 
     params + grads + optim follow ZeRO's formulas: for fp32 Adam (4, 4, 8
     bytes) 16 per parameter replicated, 8 + 8/N for ZeRO-1, 4 + 12/N for
     ZeRO-2 and 16/N for ZeRO-3. ``unsharded`` is the largest unit in flight
-    (ZeRO-3) or the whole model kept between steps (ZeRO-1/2). Without
-    ``defers_reduction`` ZeRO-1's gradients are sharded too (see the module's note).
+    (ZeRO-3) or the whole model kept between steps (ZeRO-1/2).
     """
     n = world
     compute = param_bytes if compute_bytes is None else compute_bytes
     sharded = strategy is not Strategy.NO_SHARD
     params = num_params * param_bytes / (n if sharded else 1)
-    sharded_grads = strategy in (Strategy.OPTIM_GRADS, Strategy.OPTIM_GRADS_PARAMS) or (
-        strategy is Strategy.OPTIM and not defers_reduction
-    )
+    sharded_grads = strategy in (Strategy.OPTIM_GRADS, Strategy.OPTIM_GRADS_PARAMS)
     grads = num_params * grad_bytes / (n if sharded_grads else 1)
     optim = num_params * optim_bytes / (n if sharded else 1)
     if strategy is Strategy.OPTIM_GRADS_PARAMS:
@@ -174,7 +160,6 @@ def per_rank_theory(
     compute_bytes: Optional[int] = None,
     reduce_bytes: int = 4,
     micro_batches: int = 1,
-    defers_reduction: bool = True,
 ) -> dict[str, object]:
     """What a rank holds and moves per step, the one place every report takes the ZeRO figures from.
 
@@ -182,11 +167,11 @@ def per_rank_theory(
     ``traffic``: :func:`traffic_bytes_per_step`, where ZeRO-3 gathers again for
     every micro-batch while gradients are reduced once per step; ``sent``:
     :func:`bytes_sent_per_rank` of that traffic. ``largest_unit`` counts the
-    root's own parameters as a unit too. ``defers_reduction``: see :func:`peak_state_bytes`.
+    root's own parameters as a unit too.
     """
     compute = param_bytes if compute_bytes is None else compute_bytes
     memory = peak_state_bytes(
-        strategy, world, num_params, largest_unit, param_bytes, param_bytes, optim_bytes, compute, defers_reduction
+        strategy, world, num_params, largest_unit, param_bytes, param_bytes, optim_bytes, compute
     )
     traffic = traffic_bytes_per_step(strategy, world, num_params, root_params, compute, reduce_bytes)
     if strategy is Strategy.OPTIM_GRADS_PARAMS:
