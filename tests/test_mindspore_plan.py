@@ -5,6 +5,7 @@ import sys
 import pytest
 
 from fullshard.plan import (
+    ReduceFacts,
     MINDSPORE_RUNTIME,
     TORCH_RUNTIME,
     Exchange,
@@ -88,12 +89,12 @@ def test_an_out_of_place_all_reduce_may_borrow_the_gradient():
     """torch's all-reduce writes its input, so it always packs a copy; MindSpore's only reads it."""
     replica = ShardLayout((7, 4), 0, 1)
     bucket = _lone(replica)
-    assert plan_reduce(bucket, (replica,), True, True, True, all_reduce=True).input is Ownership.OWNED
-    plan = plan_reduce(bucket, (replica,), True, True, True, all_reduce=True, runtime=MINDSPORE_RUNTIME)
+    assert plan_reduce(bucket, (replica,), ReduceFacts(True, True, True, all_reduce=True)).input is Ownership.OWNED
+    plan = plan_reduce(bucket, (replica,), ReduceFacts(True, True, True, all_reduce=True), runtime=MINDSPORE_RUNTIME)
     assert plan.input is Ownership.BORROWED
     # another dtype, or a strided gradient, still packs
-    assert plan_reduce(bucket, (replica,), False, True, True, all_reduce=True, runtime=MINDSPORE_RUNTIME).input is Ownership.OWNED
-    assert plan_reduce(bucket, (replica,), True, False, True, all_reduce=True, runtime=MINDSPORE_RUNTIME).input is Ownership.OWNED
+    assert plan_reduce(bucket, (replica,), ReduceFacts(False, True, True, all_reduce=True), runtime=MINDSPORE_RUNTIME).input is Ownership.OWNED
+    assert plan_reduce(bucket, (replica,), ReduceFacts(True, False, True, all_reduce=True), runtime=MINDSPORE_RUNTIME).input is Ownership.OWNED
 
 
 @pytest.mark.parametrize(
@@ -107,8 +108,7 @@ def test_an_out_of_place_all_reduce_may_borrow_the_gradient():
 )
 def test_mindspore_sharded_gradient_is_a_view_only_where_nothing_must_change(exchange, divides, sharded_grad):
     layout = ShardLayout((8, 4), 0, 2)
-    plan = plan_reduce(_lone(layout), (layout,), True, True, True, exchange=exchange, runtime=MINDSPORE_RUNTIME,
-                       divides=divides)
+    plan = plan_reduce(_lone(layout), (layout,), ReduceFacts(True, True, True, exchange=exchange, divides=divides), runtime=MINDSPORE_RUNTIME)
     assert plan.sharded_grad is sharded_grad
     assert plan.input is Ownership.BORROWED  # the seed's zero-copy case holds on the emulation too
 
@@ -116,7 +116,7 @@ def test_mindspore_sharded_gradient_is_a_view_only_where_nothing_must_change(exc
 def test_torch_reduce_plan_ignores_the_new_facts():
     layout = ShardLayout((8, 4), 0, 2)
     for exchange in Exchange:
-        plan = plan_reduce(_lone(layout), (layout,), True, True, True, exchange=exchange, divides=True)
+        plan = plan_reduce(_lone(layout), (layout,), ReduceFacts(True, True, True, exchange=exchange, divides=True))
         assert plan.sharded_grad is ShardedGrad.VIEW_OF_OUTPUT or exchange is Exchange.ALL_REDUCE_CHUNK
 
 

@@ -13,6 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fullshard.plan import (
+    ReduceFacts,
     Exchange,
     Ownership,
     ShardedGrad,
@@ -184,7 +185,7 @@ def test_gather_plan_truth_table():
 def test_reduce_plan_borrows_only_when_the_gradient_is_the_input(shape, dim, same_dtype, contiguous, borrowed):
     layout = ShardLayout(shape, dim, 2)
     bucket = plan_buckets([layout], 0)[0]
-    plan = plan_reduce(bucket, (layout,), same_dtype, contiguous, reduce_dtype_is_param_dtype=True)
+    plan = plan_reduce(bucket, (layout,), ReduceFacts(same_dtype, contiguous, reduce_dtype_is_param_dtype=True))
     assert plan.input is (Ownership.BORROWED if borrowed else Ownership.OWNED)
     assert plan.output is Ownership.OWNED
 
@@ -192,14 +193,14 @@ def test_reduce_plan_borrows_only_when_the_gradient_is_the_input(shape, dim, sam
 def test_reduce_plan_fused_buckets_always_own_their_input():
     layout = ShardLayout((8, 4), 0, 2)
     bucket = plan_buckets([layout, layout], 1 << 20)[0]
-    assert plan_reduce(bucket, (layout, layout), True, True, True).input is Ownership.OWNED
+    assert plan_reduce(bucket, (layout, layout), ReduceFacts(True, True, True)).input is Ownership.OWNED
 
 
 def test_sharded_grad_is_copied_when_it_must_change_dtype():
     layout = ShardLayout((8, 4), 0, 2)
     bucket = plan_buckets([layout], 0)[0]
-    assert plan_reduce(bucket, (layout,), True, True, True).sharded_grad is ShardedGrad.VIEW_OF_OUTPUT
-    assert plan_reduce(bucket, (layout,), False, True, False).sharded_grad is ShardedGrad.COPY
+    assert plan_reduce(bucket, (layout,), ReduceFacts(True, True, True)).sharded_grad is ShardedGrad.VIEW_OF_OUTPUT
+    assert plan_reduce(bucket, (layout,), ReduceFacts(False, True, False)).sharded_grad is ShardedGrad.COPY
 
 
 def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -229,9 +230,9 @@ def test_offloaded_shards_get_copied_gradients():
     """Offloaded (CPU) shards: the reduced gradient is copied to the storage device, never a view."""
     layout = ShardLayout((8, 4), 0, 2)
     bucket = plan_buckets([layout], 0)[0]
-    plan = plan_reduce(bucket, (layout,), True, True, True, offloaded=True)
+    plan = plan_reduce(bucket, (layout,), ReduceFacts(True, True, True, offloaded=True))
     assert plan.sharded_grad is ShardedGrad.COPY and plan.input is Ownership.BORROWED
-    assert plan_reduce(bucket, (layout,), True, True, True, all_reduce=True, offloaded=True).sharded_grad is ShardedGrad.COPY
+    assert plan_reduce(bucket, (layout,), ReduceFacts(True, True, True, all_reduce=True, offloaded=True)).sharded_grad is ShardedGrad.COPY
 
 
 @pytest.mark.parametrize("param_device, mesh_device, accepted", [

@@ -3,11 +3,15 @@ anything, then turns each cell into an ``FSDPModule`` (``module.py``)."""
 from __future__ import annotations
 
 import warnings
+from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Optional, Union
 
 from mindspore import Parameter, nn
 
-from fullshard.core.units import STATE_ATTR, owners_of_params
+from fullshard.core.arguments import (
+    become_fsdp_module, check_modules, check_not_managed, check_reshard_after_forward, parse_strategy, shard_dim,
+)
+from fullshard.core.units import owners_of_params
 from fullshard.mindspore.autograd import in_pynative_mode
 from fullshard.mindspore.collectives import Comm
 from fullshard.mindspore.group import ParamGroup
@@ -55,6 +59,18 @@ def _param_set(values: Optional[Iterable[Parameter]], argument: str, name: str, 
     return {id(p) for p in chosen}
 
 
+@dataclass
+class _Arguments:
+    """``fully_shard``'s arguments, checked, and what follows from them."""
+
+    name: str
+    strategy: Strategy
+    mp: Any
+    reshard_after_forward: Optional[bool]
+    mesh: DeviceMesh
+    fuse_below_numel: int
+
+
 def fully_shard(
     cell: Union[nn.Cell, list[nn.Cell]],
     *,
@@ -82,7 +98,10 @@ def fully_shard(
       default), with ``fullshard.plan.strategy``'s meaning.
     * ``replicate_params`` stay whole on every rank, their gradients all-reduced;
       ``ignored_params`` are left alone.
-    * ``comm_fusion``: small parameters of one group share one collective.
+    * ``comm_fusion``: small parameters of one group share one collective, gathered and reduced.
+
+    Everything is checked before anything changes: on an error the cells keep their class, parameters and
+    hooks.
     """
     cells = list(cell) if isinstance(cell, (list, tuple)) else [cell]
     name = ", ".join(_display_name(c) for c in cells)
@@ -90,28 +109,20 @@ def fully_shard(
         raise RuntimeError(
             f"fully_shard({name}) runs in PyNative mode only; call ms.set_context(mode=ms.PYNATIVE_MODE) first"
         )
-    for c in cells:
-        if not isinstance(c, nn.Cell):
-            raise TypeError(f"fully_shard expects mindspore.nn.Cell(s), got {type(c).__name__}")
-        if isinstance(c, (nn.CellList, nn.CellDict)):
-            raise ValueError(
-                f"fully_shard({type(c).__name__}): a container without construct is never called, so its "
-                "parameters would never be gathered; shard the cells it holds, or pass them as a list to form "
-                "one group: fully_shard(list(container), ...)"
-            )
-        if hasattr(c, STATE_ATTR):
-            raise ValueError(
-                f"fully_shard was already applied to {_display_name(c)}; apply it once per cell "
-                "(children first, then parents)"
-            )
-    try:
-        strategy = Strategy.parse(strategy if strategy is not None else Strategy.OPTIM_GRADS_PARAMS)
-    except ValueError as error:
-        raise ValueError(f"fully_shard({name}): {error}") from None
+    check_modules(cells, name, is_module=lambda c: isinstance(c, nn.Cell), kind="mindspore.nn.Cell(s)",
+                  is_container=lambda c: isinstance(c, (nn.CellList, nn.CellDict)), forward="construct", word="cell")
+    args = _check_arguments(name, mesh, reshard_after_forward, mp_policy, offload_policy, strategy, comm_fusion)
+    plans = _plan_params(cells, args, shard_placement_fn, ignored_params, replicate_params)
+    _apply(cells, args, plans)
+    return cell
+
+
+def _check_arguments(name: str, mesh: Any, reshard_after_forward: Any, mp_policy: Any, offload_policy: Any,
+                     strategy: Any, comm_fusion: Any) -> _Arguments:
+    strategy = parse_strategy(strategy, name)
     mp = check_mp_policy(mp_policy, name)
     check_offload_policy(offload_policy, name)
-    if reshard_after_forward is not None and not isinstance(reshard_after_forward, bool):
-        raise ValueError(f"fully_shard({name}): reshard_after_forward={reshard_after_forward!r} must be True, False or None")
+    check_reshard_after_forward(reshard_after_forward, name, allow_int=False)
     if not isinstance(comm_fusion, bool):
         raise ValueError(f"fully_shard({name}): comm_fusion={comm_fusion!r} must be True or False")
     mesh = mesh if mesh is not None else default_mesh()
@@ -121,70 +132,62 @@ def fully_shard(
         )
     if mesh.ndim == 2 and strategy is Strategy.NO_SHARD:
         raise ValueError(f"fully_shard({name}): strategy 'no_shard' replicates over the whole mesh; pass a 1-D mesh")
+    return _Arguments(name, strategy, mp, reshard_after_forward, mesh, DEFAULT_FUSE_BELOW_NUMEL if comm_fusion else 0)
 
+
+def _plan_params(cells: list[nn.Cell], args: _Arguments, shard_placement_fn: Any, ignored_params: Any,
+                 replicate_params: Any) -> list[tuple]:
+    """Each managed parameter's holders, layout and whether it is replicated; refused here, naming it, if it
+    cannot be sharded."""
     reachable = _all_params(cells)
-    ignored = _param_set(ignored_params, "ignored_params", name, reachable)
-    replicated_ids = _param_set(replicate_params, "replicate_params", name, reachable)
+    ignored = _param_set(ignored_params, "ignored_params", args.name, reachable)
+    replicated_ids = _param_set(replicate_params, "replicate_params", args.name, reachable)
     both = ignored & replicated_ids
     if both:
-        raise ValueError(f"fully_shard({name}): {reachable[next(iter(both))].name} is in both ignored_params and "
+        raise ValueError(f"fully_shard({args.name}): {reachable[next(iter(both))].name} is in both ignored_params and "
                          "replicate_params; it can be one or the other")
     owners, params = _owners_of_params(cells)
-    shard_dim = mesh.ndim - 1  # the last mesh dim shards; a leading one (HSDP) replicates
-    rank, world = mesh.get_local_rank(shard_dim), mesh.size(shard_dim)
+    shard_dim_of_mesh = args.mesh.ndim - 1  # the last mesh dim shards; a leading one (HSDP) replicates
+    world = args.mesh.size(shard_dim_of_mesh)
     plans = []
     for key, param in params.items():
         if key in ignored:
             continue
         path = owners[key][0][2]
-        if getattr(param, MANAGED_ATTR, False):
-            raise ValueError(
-                f"fully_shard({name}): parameter '{path}' is already managed by fully_shard on another cell "
-                "(a child wrapped first shares it, or it is tied to one); tied parameters must belong to one unit: "
-                "apply fully_shard to their common parent only"
-            )
-        replicated = strategy is Strategy.NO_SHARD or key in replicated_ids
-        if not param.shape:
-            raise ValueError(
-                f"fully_shard({name}): parameter '{path}' is a scalar and cannot be sharded or replicated by "
-                "fully_shard; pass it in ignored_params or give it shape (1,)"
-            )
-        dim = 0
-        if shard_placement_fn is not None and not replicated:
-            placement = shard_placement_fn(param)
-            if placement is not None and not isinstance(placement, Shard):
-                raise ValueError(
-                    f"fully_shard({name}): shard_placement_fn returned {placement!r} for '{path}'; it must return "
-                    "Shard(dim) or None"
-                )
-            dim = placement.dim if placement is not None else 0
-            ndim = len(param.shape)
-            dim = dim + ndim if dim < 0 else dim
-            if not 0 <= dim < ndim:
-                raise ValueError(
-                    f"fully_shard({name}): shard_placement_fn returned Shard({placement.dim}) for '{path}' of shape "
-                    f"{tuple(param.shape)}; the dim must be in [-{ndim}, {ndim - 1}]"
-                )
+        check_not_managed(getattr(param, MANAGED_ATTR, False), False, path, args.name)
+        replicated = args.strategy is Strategy.NO_SHARD or key in replicated_ids
+        placement = shard_placement_fn(param) if shard_placement_fn is not None and not replicated else None
+        dim = shard_dim(placement, Shard, tuple(param.shape), path, args.name)
         layout = ShardLayout(tuple(param.shape), dim, 1 if replicated else world)
         plans.append((param, [(c, attr) for c, attr, _ in owners[key]], path, layout, replicated))
-        empty = [r for r in range(layout.world) if layout.local_length(r) == 0]
-        if empty:
-            warnings.warn(
-                f"fully_shard({name}): parameter '{path}' has {layout.dim_size} rows on dim {layout.dim} for "
-                f"{layout.world} ranks, so rank(s) {empty} hold none of it; MindSpore's optimizers cannot create "
-                "state for an empty Parameter (nn.Adam raises). Shard it on another dim (shard_placement_fn) or "
-                "pass it in replicate_params", UserWarning, stacklevel=2,
-            )
+        _warn_empty_shards(layout, path, args.name)
+    return plans
 
-    # Everything is validated. Shards and plans are made first (nothing the cells see), then installed.
-    shard_comm = Comm(mesh.get_group(shard_dim), world, rank)
+
+def _warn_empty_shards(layout: ShardLayout, path: str, name: str) -> None:
+    empty = [r for r in range(layout.world) if layout.local_length(r) == 0]
+    if empty:
+        warnings.warn(
+            f"fully_shard({name}): parameter '{path}' has {layout.dim_size} rows on dim {layout.dim} for "
+            f"{layout.world} ranks, so rank(s) {empty} hold none of it; MindSpore's optimizers cannot create "
+            "state for an empty Parameter (nn.Adam raises). Shard it on another dim (shard_placement_fn) or "
+            "pass it in replicate_params", UserWarning, stacklevel=4,
+        )
+
+
+def _apply(cells: list[nn.Cell], args: _Arguments, plans: list[tuple]) -> None:
+    """Everything is checked. Shards and plans are made first (nothing the cells see), then installed."""
+    mesh = args.mesh
+    shard_dim_of_mesh = mesh.ndim - 1
+    rank, world = mesh.get_local_rank(shard_dim_of_mesh), mesh.size(shard_dim_of_mesh)
+    shard_comm = Comm(mesh.get_group(shard_dim_of_mesh), world, rank)
     replica_comm = Comm(mesh.get_group(0), mesh.size(0), mesh.get_local_rank(0)) if mesh.ndim == 2 else None
     if replica_comm is not None and replica_comm.size == 1:
         replica_comm = None
-    flags = lifecycle(strategy, is_root=False, reshard_after_forward=reshard_after_forward)
-    fuse = DEFAULT_FUSE_BELOW_NUMEL if comm_fusion else 0
+    flags = lifecycle(args.strategy, is_root=False, reshard_after_forward=args.reshard_after_forward)
     sharded = [
-        ShardedParam(param, holders, path, layout, rank, mp.param_dtype, mp.apply_grad_on_fp32_main_grad, replicated)
+        ShardedParam(param, holders, path, layout, rank, args.mp.param_dtype, args.mp.apply_grad_on_fp32_main_grad,
+                     replicated)
         for param, holders, path, layout, replicated in plans
     ]
     groups = []
@@ -195,20 +198,15 @@ def fully_shard(
         if replicated:  # nothing to gather; gradients are all-reduced
             collectives = Collectives(Exchange.LOCAL, Exchange.COLLECTIVE if world > 1 else Exchange.LOCAL)
         else:
-            collectives = choose_collectives(mesh.backend, world, mesh.is_world_group(shard_dim))
+            collectives = choose_collectives(mesh.backend, world, mesh.is_world_group(shard_dim_of_mesh))
         groups.append(ParamGroup(
-            members, shard_comm, replica_comm, mp.reduce_dtype, name, collectives, mesh.backend, fuse,
-            replicated=replicated,
+            members, shard_comm, replica_comm, args.mp.reduce_dtype, args.name, collectives, mesh.backend,
+            args.fuse_below_numel, replicated=replicated,
             after_backward=AfterBackward.RESHARD if flags.reshard_after_backward else AfterBackward.KEEP_STORAGE,
         ))
     # From here on the cells are changed.
     for param in sharded:
         param.install()
-    state = ShardedUnit(cells, groups, mp, reshard_after_forward, strategy)
+    unit = ShardedUnit(cells, groups, args.mp, args.reshard_after_forward, args.strategy)
     for c in cells:
-        object.__setattr__(c, STATE_ATTR, state)
-        cls = type(c)
-        if cls not in FSDP_CLASSES:
-            FSDP_CLASSES[cls] = type(f"FSDP{cls.__name__}", (FSDPModule, cls), {})
-        c.__class__ = FSDP_CLASSES[cls]
-    return cell
+        become_fsdp_module(c, FSDPModule, FSDP_CLASSES, object.__setattr__, unit)

@@ -20,7 +20,9 @@ from fullshard.mindspore.collectives import Comm
 from fullshard.mindspore.group_plan import GroupPlan
 from fullshard.mindspore.param import ShardedParam
 from fullshard.mindspore.policies import dtype_name, dtype_named
-from fullshard.plan import MINDSPORE_RUNTIME, BucketLayout, Exchange, Ownership, Unsharded, plan_buckets, plan_reduce
+from fullshard.plan import (
+    MINDSPORE_RUNTIME, BucketLayout, Exchange, Ownership, ReduceFacts, Unsharded, plan_buckets, plan_reduce,
+)
 from fullshard.plan.layout import fused_bucket
 from fullshard.plan.backends import Backend, carrier_dtype, is_bit_cast
 
@@ -206,11 +208,11 @@ def reduce_to_chunk(how: Reduction, params: Sequence[ShardedParam], grads: Seque
     layouts = tuple(p.layout for p in params)
     bucket = fused_bucket(layouts)
     # (the sharded gradient is always written into the placeholder the bucket's bprop returned: a copy)
-    reduction = plan_reduce(
-        bucket, layouts, grad_dtype_is_wire_dtype=all(g.dtype == how.wire_dtype for g in grads),
+    reduction = plan_reduce(bucket, layouts, ReduceFacts(
+        grad_dtype_is_wire_dtype=all(g.dtype == how.wire_dtype for g in grads),
         grads_contiguous=all(g.is_contiguous() for g in grads), reduce_dtype_is_param_dtype=False,
-        all_reduce=how.replicated, exchange=how.exchange, runtime=MINDSPORE_RUNTIME,
-    )
+        all_reduce=how.replicated, exchange=how.exchange,
+    ), MINDSPORE_RUNTIME)
     if reduction.input is Ownership.BORROWED:
         source = buffers.borrow(grads[0].reshape(-1), f"reduce-scatter input of {label}")
     else:

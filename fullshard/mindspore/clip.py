@@ -6,7 +6,7 @@ from typing import Sequence
 import mindspore as ms
 from mindspore import Tensor, ops
 
-from fullshard.mindspore import collectives
+from fullshard.mindspore.collectives import all_reduce
 from fullshard.mindspore.autograd import no_grad
 from fullshard.mindspore.param import sharded_param_of
 
@@ -39,7 +39,7 @@ def clip_grad_norm(params: Sequence[ms.Parameter], grads: Sequence[Tensor], max_
         total = local
         for key in sorted(per_group):  # the same order on every rank
             comm, partial = per_group[key]
-            total = total + collectives.all_reduce(partial, comm)
+            total = total + all_reduce(partial, comm)
         total_norm = ops.sqrt(total).reshape(())
         scale = float(max_norm) / (float(total_norm.asnumpy()) + eps)
         if scale >= 1:

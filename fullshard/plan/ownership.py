@@ -217,80 +217,69 @@ def plan_accumulation(grad_dtype_is_reduce_dtype: bool, runtime: RuntimeFacts = 
     return Accumulation.OWNED
 
 
-def plan_reduce(
-    bucket: BucketLayout,
-    layouts: tuple[ShardLayout, ...],
-    grad_dtype_is_wire_dtype: bool,
-    grads_contiguous: bool,
-    reduce_dtype_is_param_dtype: bool,
-    all_reduce: bool = False,
-    offloaded: bool = False,
-    *,
-    exchange: Exchange = Exchange.COLLECTIVE,
-    runtime: RuntimeFacts = TORCH_RUNTIME,
-    divides: bool = True,
-) -> ReducePlan:
-    """Reduce-scatter of one bucket.
+@dataclass(frozen=True)
+class ReduceFacts:
+    """What one bucket's gradient reduction is, as far as its ownership depends on it (what a runtime reports)."""
+
+    grad_dtype_is_wire_dtype: bool  # every gradient already is in the dtype it travels in
+    grads_contiguous: bool  # every gradient is a plain, contiguous tensor
+    reduce_dtype_is_param_dtype: bool  # the reduced value can become the sharded gradient without a cast
+    all_reduce: bool = False  # replicated parameters (no_shard): whole gradients all-reduced
+    offloaded: bool = False  # the shards live in host memory
+    exchange: Exchange = Exchange.COLLECTIVE
+    divides: bool = True  # the sum is divided (the mean over ranks) before it is handed out
+
+
+def plan_reduce(bucket: BucketLayout, layouts: tuple[ShardLayout, ...], facts: ReduceFacts,
+                runtime: RuntimeFacts = TORCH_RUNTIME) -> ReducePlan:
+    """Reduce-scatter (or, replicated, all-reduce) of one bucket.
 
     The caller's gradient is reused as the collective's input (zero copy) only
     when it already is, byte for byte, the input the collective needs: one
     parameter, prefix layout, no padding, the dtype it travels in (the reduce
     dtype, or its own with the pairwise exchange; ``plan.exchange.wire_dtype``),
-    contiguous. In that
-    case it is BORROWED: fullshard never resizes it nor writes into it, and
-    releases it by dropping the reference. Otherwise fullshard allocates the
-    input and copies (casting, padding) into it.
+    contiguous. In that case it is BORROWED: fullshard never resizes it nor
+    writes into it, and releases it by dropping the reference. Otherwise
+    fullshard allocates the input and copies (casting, padding) into it.
 
     The output is allocated by fullshard; the gradient division is done in
     place on it (it is owned), then it is handed to the sharded ``.grad`` and
-    never freed by fullshard again.
+    never freed by fullshard again (``ShardedGrad.VIEW_OF_OUTPUT``), or copied
+    out of it (``COPY``: a cast, offloaded shards, interleaved layouts).
 
-    An all-reduce (replicated parameters) works in place on its buffer (on torch),
-    so its input is owned there: the caller's gradient is never written.
+    An all-reduce works in place on its buffer (on torch), so its input is owned
+    there: the caller's gradient is never written. Where collectives only read
+    their input (``runtime.collectives_in_place`` off), it may borrow the gradient
+    as a reduce-scatter does. The user's collective (``Exchange.CUSTOM``) reads
+    from a buffer of its own allocator: always packed there, and dropped
+    afterwards, never resized.
 
-    With offloaded shards the sharded gradient is a copy on the storage device.
-
-    The user's collective (``Exchange.CUSTOM``) reads from a buffer of its own allocator, so the
-    input is always packed there (and dropped afterwards, never resized).
-
-    Where collectives only read their input (``runtime.collectives_in_place`` off), an all-reduce
-    may borrow the gradient as a reduce-scatter does. Where tensors cannot be scaled in place
-    (``runtime.in_place_arithmetic`` off), a gradient that is divided (``divides``) comes out of the
-    division as a copy. An emulated reduce-scatter (``Exchange.ALL_REDUCE_CHUNK``) outputs the whole
-    summed buffer: a view of this rank's chunk would keep all of it alive, so the chunk is copied.
+    Where tensors cannot be scaled in place (``runtime.in_place_arithmetic``
+    off), a divided gradient comes out of the division as a copy. An emulated
+    reduce-scatter (``Exchange.ALL_REDUCE_CHUNK``) outputs the whole summed
+    buffer: a view of this rank's chunk would keep all of it alive, so it is copied.
     """
-    lone = bucket.is_single
+    scaled_in_place = runtime.in_place_arithmetic or not facts.divides
+    keeps_dtype = facts.reduce_dtype_is_param_dtype and not facts.offloaded and scaled_in_place
+    prefix = all(layouts[i].gather_is_prefix for i in bucket.members)
+    if facts.exchange is Exchange.CUSTOM and not facts.all_reduce:
+        return ReducePlan(Ownership.OWNED, Ownership.OWNED, _sharded_grad(keeps_dtype and prefix), input_pooled=True)
+    borrow = bucket.is_single and facts.grad_dtype_is_wire_dtype and facts.grads_contiguous
+    if facts.all_reduce:
+        return ReducePlan(_owned_unless(borrow and not runtime.collectives_in_place), Ownership.OWNED,
+                          _sharded_grad(keeps_dtype))
     layout = layouts[bucket.members[0]]
-    scaled_in_place = runtime.in_place_arithmetic or not divides
-    view_grad_of_output = (
-        reduce_dtype_is_param_dtype and not offloaded and all(layouts[i].gather_is_prefix for i in bucket.members)
-        and scaled_in_place
-    )
-    if exchange is Exchange.CUSTOM and not all_reduce:
-        # The user's collective reads its input from a buffer of its allocator: always packed.
-        return ReducePlan(Ownership.OWNED, Ownership.OWNED,
-                          ShardedGrad.VIEW_OF_OUTPUT if view_grad_of_output else ShardedGrad.COPY, input_pooled=True)
-    if all_reduce:
-        borrow = lone and grad_dtype_is_wire_dtype and grads_contiguous and not runtime.collectives_in_place
-        view_grad = reduce_dtype_is_param_dtype and not offloaded and scaled_in_place
-        return ReducePlan(
-            input=Ownership.BORROWED if borrow else Ownership.OWNED,
-            output=Ownership.OWNED,
-            sharded_grad=ShardedGrad.VIEW_OF_OUTPUT if view_grad else ShardedGrad.COPY,
-        )
-    borrow = (
-        lone
-        and layout.gather_is_prefix
-        and not layout.needs_padding
-        and grad_dtype_is_wire_dtype
-        and grads_contiguous
-    )
-    view_grad = view_grad_of_output and exchange is not Exchange.ALL_REDUCE_CHUNK
-    return ReducePlan(
-        input=Ownership.BORROWED if borrow else Ownership.OWNED,
-        output=Ownership.OWNED,
-        sharded_grad=ShardedGrad.VIEW_OF_OUTPUT if view_grad else ShardedGrad.COPY,
-    )
+    borrow = borrow and layout.gather_is_prefix and not layout.needs_padding
+    view = keeps_dtype and prefix and facts.exchange is not Exchange.ALL_REDUCE_CHUNK
+    return ReducePlan(_owned_unless(borrow), Ownership.OWNED, _sharded_grad(view))
+
+
+def _owned_unless(borrow: bool) -> Ownership:
+    return Ownership.BORROWED if borrow else Ownership.OWNED
+
+
+def _sharded_grad(view: bool) -> ShardedGrad:
+    return ShardedGrad.VIEW_OF_OUTPUT if view else ShardedGrad.COPY
 
 
 def grad_copy_may_be_async(pinned: bool, accumulates: bool) -> bool:

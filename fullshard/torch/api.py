@@ -2,6 +2,7 @@
 changes anything, then turns each module into an ``FSDPModule`` (``module.py``)."""
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Callable, Optional, Union
 
 import torch
@@ -10,7 +11,11 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
 
-from fullshard.core.units import STATE_ATTR, owners_of_params
+from fullshard.core.arguments import (
+    become_fsdp_module, check_modules, check_not_managed, check_reshard_after_forward, parse_strategy, shard_dim,
+)
+from fullshard.core.lifecycle import STATE_ATTR
+from fullshard.core.units import owners_of_params
 from fullshard.plan import ShardLayout
 from fullshard.plan.strategy import AfterBackward, Strategy, lifecycle
 from fullshard.torch.policies import (
@@ -98,6 +103,22 @@ def _owners_of_params(
     return owners_of_params(modules, lambda m: m._parameters.items(), lambda m: m._modules.items(), frozenset(ignored))
 
 
+@dataclass
+class _Arguments:
+    """``fully_shard``'s arguments, checked, and what follows from them."""
+
+    name: str
+    strategy: Strategy
+    replicated: bool
+    mp: MixedPrecisionPolicy
+    pin_memory: Optional[bool]
+    reshard_after_forward: Optional[bool]
+    post_forward_size: Optional[int]
+    mesh: DeviceMesh
+    dp: Any
+    device: torch.device
+
+
 def fully_shard(
     module: Union[nn.Module, list[nn.Module]],
     *,
@@ -127,63 +148,62 @@ def fully_shard(
     (replicate, like DDP), ``"optim"`` (ZeRO-1), ``"optim_grads"`` (ZeRO-2) or
     ``"optim_grads_params"`` (ZeRO-3, the default); see
     ``fullshard.plan.strategy`` for the flags each one sets.
+
+    Everything is checked before anything changes: on an error the modules keep their class, parameters and
+    hooks.
     """
     modules = list(module) if isinstance(module, (list, tuple)) else [module]
     name = ", ".join(type(m).__name__ for m in modules)
-    for m in modules:
-        if not isinstance(m, nn.Module):
-            raise TypeError(f"fully_shard expects nn.Module(s), got {type(m).__name__}")
-        if isinstance(m, (nn.ModuleList, nn.ModuleDict)):
-            raise ValueError(
-                f"fully_shard does not support containers that do not implement forward: {type(m).__name__} is "
-                "never called, so its parameters would never be gathered; shard the modules it holds, or pass "
-                "them as a list to form one group: fully_shard(list(container), ...)"
-            )
-        if hasattr(m, STATE_ATTR):
-            raise AppliedTwiceError(
-                f"Each distinct composable distributed API can only be applied to a module once. fully_shard was "
-                f"already applied to {type(m).__name__}; apply it once per module (children first, then parents)"
-            )
-    try:
-        strategy = Strategy.parse(strategy)
-    except ValueError as error:
-        raise ValueError(f"fully_shard({name}): {error}") from None
+    check_modules(modules, name, is_module=lambda m: isinstance(m, nn.Module), kind="nn.Module(s)",
+                  is_container=lambda m: isinstance(m, (nn.ModuleList, nn.ModuleDict)), forward="forward",
+                  applied_twice=AppliedTwiceError)
+    args = _check_arguments(name, mesh, reshard_after_forward, mp_policy, offload_policy, dp_mesh_dims, strategy)
+    owners, plans = _plan_params(modules, args, shard_placement_fn, ignored_params)
+    _apply(modules, args, owners, plans)
+    return module
+
+
+def _check_arguments(name: str, mesh: Optional[DeviceMesh], reshard_after_forward: Any, mp_policy: Any,
+                     offload_policy: Any, dp_mesh_dims: Any, strategy: Any) -> _Arguments:
+    strategy = parse_strategy(strategy, name)
     replicated = strategy is Strategy.NO_SHARD
     mp = as_mp_policy(mp_policy, name)
     offload = as_offload_policy(offload_policy, name)
-    if reshard_after_forward is not None and not isinstance(reshard_after_forward, (bool, int)):
-        raise ValueError(
-            f"fully_shard({name}): reshard_after_forward={reshard_after_forward!r} must be True, False, None "
-            "or an int (the size of the group to reshard to after forward)"
-        )
+    check_reshard_after_forward(reshard_after_forward, name, allow_int=True)
     mesh = mesh if mesh is not None else _default_mesh()
     # The last mesh dim shards; a leading dim (HSDP) replicates and all-reduces gradients.
     dp = data_parallel_mesh(mesh, dp_mesh_dims, name)
     if dp.shard_dim is None:  # dp_mesh_dims(replicate=...) only: replicas, as with no_shard
         strategy, replicated = Strategy.NO_SHARD, True
     elif replicated and dp.replicate_dim is not None:
-        raise ValueError(
-            f"fully_shard({name}): strategy 'no_shard' replicates over the whole mesh; pass a 1-D mesh"
-        )
-    device = _mesh_device(mesh)
+        raise ValueError(f"fully_shard({name}): strategy 'no_shard' replicates over the whole mesh; pass a 1-D mesh")
+    reshard_after_forward, post_forward_size = _post_forward_size(reshard_after_forward, dp, name)
     pin_memory = offload.pin_memory if isinstance(offload, CPUOffloadPolicy) else None
-    rank, world = dp.shard_rank, dp.shard_size
-    post_forward_size = None
-    if isinstance(reshard_after_forward, int) and not isinstance(reshard_after_forward, bool):
-        if dp.spmd:
-            raise NotImplementedError(
-                f"reshard_after_forward as int ({reshard_after_forward}) is not supported with dp_mesh_dims: "
-                f"fully_shard({name}) reshards fully or not at all on an SPMD mesh; use True or False"
-            )
-        size = reshard_after_forward
-        if size < 1 or world % size:
-            raise ValueError(
-                f"fully_shard({name}): reshard_after_forward={size} must divide the shard world size {world} "
-                f"(e.g. the ranks of one node); use True to reshard fully"
-            )
-        reshard_after_forward = size != 1  # size == world: plain resharding; 1: keep unsharded
-        post_forward_size = size if 1 < size < world else None
+    return _Arguments(name, strategy, replicated, mp, pin_memory, reshard_after_forward, post_forward_size, mesh, dp,
+                      _mesh_device(mesh))
 
+
+def _post_forward_size(reshard_after_forward: Any, dp: Any, name: str) -> tuple[Optional[bool], Optional[int]]:
+    """``reshard_after_forward=k``: reshard to blocks of ``k`` ranks (None: fully, or not at all)."""
+    if not isinstance(reshard_after_forward, int) or isinstance(reshard_after_forward, bool):
+        return reshard_after_forward, None
+    if dp.spmd:
+        raise NotImplementedError(
+            f"reshard_after_forward as int ({reshard_after_forward}) is not supported with dp_mesh_dims: "
+            f"fully_shard({name}) reshards fully or not at all on an SPMD mesh; use True or False"
+        )
+    size, world = reshard_after_forward, dp.shard_size
+    if size < 1 or world % size:
+        raise ValueError(
+            f"fully_shard({name}): reshard_after_forward={size} must divide the shard world size {world} "
+            f"(e.g. the ranks of one node); use True to reshard fully"
+        )
+    # size == world: plain resharding; 1: keep unsharded
+    return size != 1, (size if 1 < size < world else None)
+
+
+def _plan_params(modules: list[nn.Module], args: _Arguments, shard_placement_fn: Any, ignored_params: Any) -> tuple:
+    """Each managed parameter's holders, spec and layout; refused here (naming it) if it cannot be sharded."""
     # As in FSDP2, ignored_params may name parameters of other modules too (one set for a whole
     # model, e.g. DDP on some parts and fully_shard on others): those are not this call's business.
     ignored = {id(p) for p in (ignored_params or ())}
@@ -191,83 +211,52 @@ def fully_shard(
     plans = []
     for key, param in params.items():
         fqn = owners[key][0][2]
-        if isinstance(param, DTensor) and _is_managed(param):
+        check_not_managed(_is_managed(param), isinstance(param, DTensor), fqn, args.name)
+        if not _device_accepted(param.device, args.device):
             raise ValueError(
-                f"fully_shard({name}): parameter '{fqn}' is already sharded by fully_shard on a parent "
-                "module; apply fully_shard to children first, then to their parents"
-            )
-        if _is_managed(param):
-            raise ValueError(
-                f"fully_shard({name}): parameter '{fqn}' is already managed by another fully_shard unit (it is "
-                "shared with a module fully_shard was applied to); tied parameters must belong to one unit: "
-                "apply fully_shard to their common parent only, or to both modules as one group: "
-                "fully_shard([module_a, module_b])"
-            )
-        if not _device_accepted(param.device, device):
-            raise ValueError(
-                f"fully_shard({name}): parameter '{fqn}' is on {param.device} but the mesh uses {device}; "
-                f"move the module to {device} (or to the CPU or meta device, which fully_shard moves) first"
+                f"fully_shard({args.name}): parameter '{fqn}' is on {param.device} but the mesh uses {args.device}; "
+                f"move the module to {args.device} (or to the CPU or meta device, which fully_shard moves) first"
             )
         placement = shard_placement_fn(param) if shard_placement_fn is not None else None
-        if placement is None:
-            placement = Shard(0)
-        if not isinstance(placement, Shard):
-            raise ValueError(
-                f"fully_shard({name}): shard_placement_fn returned {placement!r} for '{fqn}'; "
-                "it must return Shard(dim) or None"
-            )
-        if param.dim() == 0:
-            raise ValueError(
-                f"fully_shard({name}): parameter '{fqn}' is a scalar and cannot be sharded. Change "
-                f"{fqn.rpartition('.')[2]} to a 1D tensor with numel equal to 1, or pass it in ignored_params"
-            )
-        dim = placement.dim + param.dim() if placement.dim < 0 else placement.dim
-        if not 0 <= dim < param.dim():
-            raise ShardDimError(
-                f"Shard dim {placement.dim} is invalid for {param.dim()}D tensor: fully_shard({name}): "
-                f"shard_placement_fn returned Shard({placement.dim}) for '{fqn}' of shape {tuple(param.shape)}; "
-                f"the dim must be in [-{param.dim()}, {param.dim() - 1}]"
-            )
-        spec = sharded_spec(param, fqn, name, dp, dim, replicated)
+        dim = shard_dim(placement, Shard, tuple(param.shape), fqn, args.name, ShardDimError)
+        spec = sharded_spec(param, fqn, args.name, args.dp, dim, args.replicated)
         local_shape = param._local_tensor.shape if isinstance(param, DTensor) else param.shape
-        plans.append((param, fqn, spec, ShardLayout(tuple(local_shape), dim, 1 if replicated else world)))
+        plans.append((param, fqn, spec, ShardLayout(tuple(local_shape), dim, 1 if args.replicated else args.dp.shard_size)))
+    return owners, plans
 
-    # Everything is validated: from here on the modules are changed.
+
+def _apply(modules: list[nn.Module], args: _Arguments, owners: dict, plans: list) -> None:
+    """Everything is checked: change the modules (buffers moved, parameters sharded, hooks, class)."""
     for m in modules:
         for buffer_name, buffer in m.named_buffers():
-            if buffer.device != device and buffer.device.type != "meta":
-                m.get_submodule(buffer_name.rpartition(".")[0])._buffers[buffer_name.rpartition(".")[2]] = buffer.to(device)
+            if buffer.device != args.device and buffer.device.type != "meta":
+                m.get_submodule(buffer_name.rpartition(".")[0])._buffers[buffer_name.rpartition(".")[2]] = \
+                    buffer.to(args.device)
     sharded = []
     for param, fqn, spec, layout in plans:
         holders = [(owner, attr) for owner, attr, _ in owners[id(param)]]
-        sharded.append(
-            ShardedParam(
-                param, holders, fqn, layout, spec, 0 if replicated else rank, device, mp.param_dtype, pin_memory,
-                mp.main_dtype,
-            )
-        )
+        sharded.append(ShardedParam(param, holders, fqn, layout, spec, 0 if args.replicated else args.dp.shard_rank,
+                                    args.device, args.mp.param_dtype, args.pin_memory, args.mp.main_dtype))
         _mark_managed(param)
         _mark_managed(sharded[-1].sharded)
-    flags = lifecycle(strategy, is_root=False, reshard_after_forward=reshard_after_forward)
-    group = None
-    if sharded:
-        group = ParamGroup(
-            sharded, dp.shard_group, mp.reduce_dtype, name,
-            replicate_group=dp.replicate_group, shard_mesh=dp.shard_mesh, mp_policy=mp,
-            all_reduce=flags.all_reduce,
-            after_backward=AfterBackward.RESHARD if flags.reshard_after_backward else AfterBackward.KEEP_STORAGE,
-        )
-        if post_forward_size is not None:
-            group.post_forward_group = _post_forward_group(mesh, dp.shard_dim, post_forward_size)
-    state = ShardedUnit(modules, group, mp, reshard_after_forward, strategy)
+    group = _group(sharded, args) if sharded else None
+    unit = ShardedUnit(modules, group, args.mp, args.reshard_after_forward, args.strategy)
     for m in modules:
-        setattr(m, STATE_ATTR, state)
-        fsdp2_views.expose(m, state)
-        cls = type(m)
-        if cls not in FSDP_CLASSES:
-            FSDP_CLASSES[cls] = type(f"FSDP{cls.__name__}", (FSDPModule, cls), {})
-        m.__class__ = FSDP_CLASSES[cls]
-    return module
+        become_fsdp_module(m, FSDPModule, FSDP_CLASSES, unit=unit)
+        fsdp2_views.expose(m, unit)
+
+
+def _group(sharded: list[ShardedParam], args: _Arguments) -> ParamGroup:
+    flags = lifecycle(args.strategy, is_root=False, reshard_after_forward=args.reshard_after_forward)
+    group = ParamGroup(
+        sharded, args.dp.shard_group, args.mp.reduce_dtype, args.name,
+        replicate_group=args.dp.replicate_group, shard_mesh=args.dp.shard_mesh, mp_policy=args.mp,
+        all_reduce=flags.all_reduce,
+        after_backward=AfterBackward.RESHARD if flags.reshard_after_backward else AfterBackward.KEEP_STORAGE,
+    )
+    if args.post_forward_size is not None:
+        group.post_forward_group = _post_forward_group(args.mesh, args.dp.shard_dim, args.post_forward_size)
+    return group
 
 
 def _state(module: nn.Module) -> Optional[ShardedUnit]:

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from fullshard.core.lifecycle import Group
-from fullshard.plan import Accumulation, Unsharded, plan_reduce
+from fullshard.plan import Accumulation, ReduceFacts, Unsharded, plan_reduce
 from fullshard.plan.strategy import AfterBackward
 from fullshard.torch import buffers, checks
 from fullshard.torch.buckets import PendingGather, all_reduce_in_place, gather_bucket, pack_rank_chunks, reduce_bucket
@@ -376,14 +376,13 @@ class ParamGroup(Group):
         reduce_dtype = plan.reduce_dtype(members[0])
         wire = plan.gradient_wire_dtype(members[0].compute_dtype, reduce_dtype, self.replicated,
                                         self.accumulated_without_sync)
-        reduction_plan = plan_reduce(
-            plan.buckets[index], plan.layouts,
+        reduction_plan = plan_reduce(plan.buckets[index], plan.layouts, ReduceFacts(
             grad_dtype_is_wire_dtype=all(g.dtype == wire for g in present),
             # only a plain, contiguous gradient is a collective's buffer as it is (a subclass is packed)
             grads_contiguous=all(is_plain(g) and g.is_contiguous() for g in present),
             reduce_dtype_is_param_dtype=reduce_dtype == members[0].stored_dtype,
             all_reduce=self.replicated, offloaded=members[0].offloaded, exchange=plan.reduce_exchange,
-        )
+        ))
         reduction = reduce_bucket(
             plan.buckets[index], reduction_plan, members, grads, reduce_dtype, wire, self.process_group, divide,
             plan.labels[index], plan.reduce_exchange, plan.reduce_tags[index], all_reduce=self.replicated,
