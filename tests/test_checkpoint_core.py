@@ -4,6 +4,7 @@ Canonical JSON, plain file names and the symlink policy, the manifest, the
 pickle opcode scan, and the layout checks (chunks tiling a shape, byte
 ranges filling a file, key paths building one bounded nesting).
 """
+import collections
 import hashlib
 import io
 import os
@@ -137,20 +138,28 @@ def _peak(fn) -> int:
 
 
 def test_plain_pickles_pass_the_scan():
-    check_pickle(pickle.dumps({"a": (1, 2.5, "x", None, True, [b"y"]), "b": 10**30}), CKPT, ".metadata")
+    value = {"a": (1, 2.5, "x" * 300, None, True, [b"y" * 300]), "b": 10**30, "c": collections.OrderedDict}
+    for protocol in range(0, pickle.HIGHEST_PROTOCOL + 1):
+        check_pickle(pickle.dumps(value, protocol=protocol), CKPT, ".metadata")
 
 
 @pytest.mark.parametrize("data, message", [
-    (pickle.PROTO + b"\x04" + pickle.BINBYTES8 + struct.pack("<Q", 1 << 40) + b"xx" + pickle.STOP, "not a complete pickle"),
-    (pickle.PROTO + b"\x04" + pickle.BINUNICODE + struct.pack("<I", 1 << 31) + pickle.STOP, "not a complete pickle"),
+    (pickle.PROTO + b"\x04" + pickle.BINBYTES8 + struct.pack("<Q", 1 << 40) + b"xx" + pickle.STOP,
+     "announces 1099511627776 bytes for BINBYTES8 at byte 2, but only 3 remain"),
+    (pickle.PROTO + b"\x04" + pickle.BINUNICODE + struct.pack("<I", 1 << 31) + pickle.STOP,
+     "announces 2147483648 bytes for BINUNICODE"),
     (pickle.PROTO + b"\x04" + pickle.NONE + pickle.LONG_BINPUT + struct.pack("<I", 0xFFFFFFFF) + pickle.STOP,
      "memo entry 4294967295"),
     (pickle.PROTO + b"\x04" + pickle.FRAME + struct.pack("<Q", 1 << 40) + pickle.NONE + pickle.STOP, "frame of"),
     (pickle.PROTO + b"\x04" + pickle.BINPERSID + pickle.STOP, "BINPERSID"),
     (pickle.PROTO + b"\x04" + pickle.EXT1 + b"\x01" + pickle.STOP, "EXT1"),
-    (pickle.dumps(None) + b"junk", "bytes after the end"),
-    (pickle.dumps({"a": 1})[:-3], "not a complete pickle"),
-], ids=["bytes8 length", "unicode length", "memo index", "frame", "persid", "ext", "trailing", "truncated"])
+    (pickle.dumps(None) + b"junk", "there are bytes after it"),
+    (pickle.dumps({"a": 1})[:-3], "frame of 10 bytes at byte 2, past the end"),
+    (pickle.dumps({"a": 1}, protocol=2)[:-1], "ends without STOP"),
+    (pickle.PROTO + b"\x04" + b"\xff" + pickle.STOP, "uses byte 0xff"),
+    (pickle.PROTO + b"\x04" + pickle.GLOBAL + b"os\nsystem", "cut short"),
+], ids=["bytes8 length", "unicode length", "memo index", "frame", "persid", "ext", "trailing", "truncated",
+        "truncated protocol 2", "unknown opcode", "global cut short"])
 def test_counts_past_the_data_and_foreign_opcodes_are_refused_without_allocating(data, message):
     def scan():
         with pytest.raises(CheckpointError, match=message):
