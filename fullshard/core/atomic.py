@@ -101,8 +101,9 @@ def latest_step(root: Union[str, Path]) -> Optional[int]:
 def start_partial(final: Union[str, Path]) -> Path:
     """An empty ``<final>.partial`` directory (what an interrupted save left there is removed). One rank calls it.
 
-    A complete ``.partial`` is only removed while ``final`` or its ``.replaced`` is complete too
-    (:func:`publish` leaves no state where the ``.partial`` is the only one).
+    A checkpoint published before stays complete at ``final`` or as ``.replaced`` until :func:`publish`
+    has put the new one in place; a complete ``.partial`` removed here is one whose save never
+    finished publishing, which this save replaces.
     """
     partial = partial_dir(final)
     shutil.rmtree(partial, ignore_errors=True)
