@@ -74,6 +74,8 @@ def _parser() -> argparse.ArgumentParser:
     export.add_argument("--key", default="model", help="torch: top-level entry to export ('' for everything; "
                         "default model)")
     export.add_argument("--framework", default="auto", help="auto (from the directory) | torch | mindspore")
+    export.add_argument("--without-manifest", action="store_true", help="torch: also export a stock DCP/FSDP2 "
+                        "checkpoint, which has no fullshard manifest (every check runs but the digests)")
 
     estimate = sub.add_parser("estimate", help="memory and traffic per rank, from the planning code")
     estimate.add_argument("--params", type=float, help="number of parameters, e.g. 7e9")
@@ -150,6 +152,8 @@ def _train_config(args):
         _require_transformers()
     if (args.resume or args.checkpoint_every) and not args.checkpoint_dir:
         raise UsageError("--resume and --checkpoint-every need --checkpoint-dir")
+    if args.resume:
+        _check_resumable(args.checkpoint_dir, args.framework)
     return TrainConfig(
         model=args.model, hf_config=args.hf_config, strategy=args.strategy, mixed_precision=args.mixed_precision, grad_accum=args.grad_accum,
         steps=args.steps, batch_size=args.batch_size, lr=args.lr, seed=args.seed, data=args.data,
@@ -184,6 +188,28 @@ def _launch(cfg, nproc: int) -> list[dict]:
             "Its traceback is printed above."
         ) from None
     return returned[0]
+
+
+def _check_resumable(checkpoint_dir: str, framework: str) -> None:
+    """The checkpoint ``--resume`` will load, checked here as the workers will check it: a bad one is one line
+    before any worker starts, not a worker's traceback."""
+    from fullshard.core.atomic import latest_step, step_dir
+    from fullshard.core.untrusted import CheckpointError
+
+    step = latest_step(checkpoint_dir)
+    if step is None:
+        raise UsageError(f"--resume: no complete checkpoint under {checkpoint_dir}")
+    try:
+        if framework == "mindspore":
+            from fullshard.core.shardfiles import ShardedCheckpoint
+
+            ShardedCheckpoint(step_dir(checkpoint_dir, step))
+        else:
+            from fullshard.torch.checkpoint import read_metadata
+
+            read_metadata(step_dir(checkpoint_dir, step))
+    except CheckpointError as error:
+        raise UsageError(f"--resume: {one_line(error)}") from None
 
 
 def _last_checkpoint_hint(cfg) -> str:
@@ -285,37 +311,71 @@ def estimate(args) -> int:
 
 
 def export(args) -> int:
-    """One process, no process group: read the shards, write the full state dict."""
-    from fullshard.core import shardfiles
+    """One process, no process group: check the whole checkpoint, read the shards, write the full state dict.
 
-    framework = args.framework
-    if framework not in ("auto", "torch", "mindspore"):
-        raise UsageError(f"unknown --framework {framework!r}; choose auto, torch or mindspore")
-    if framework == "auto":
-        framework = "mindspore" if shardfiles.is_sharded_checkpoint(args.checkpoint) else "torch"
-    if framework == "mindspore":
-        if not shardfiles.is_sharded_checkpoint(args.checkpoint):
-            raise UsageError(f"{args.checkpoint} is not a complete MindSpore checkpoint directory "
-                             f"(no {shardfiles.METADATA_FILE})")
-        if args.key not in ("model", ""):
-            raise UsageError("--key selects an entry of a torch checkpoint; a MindSpore export holds the model")
-        try:
-            written = shardfiles.export_full(args.checkpoint, args.out)  # numpy only: no MindSpore needed
-        except (ValueError, OSError) as error:
-            raise UsageError(str(error)) from None
-        print(f"wrote {written}")
-        return 0
-    from fullshard.torch.checkpoint import export_full
+    Every problem with the checkpoint is one line (a UsageError), never a traceback.
+    """
+    from fullshard.core.untrusted import CheckpointError
 
-    if not Path(args.checkpoint, ".metadata").is_file():
-        raise UsageError(f"{args.checkpoint} is not a complete checkpoint directory (no .metadata, "
-                         f"nor a MindSpore {shardfiles.METADATA_FILE})")
+    if args.framework not in ("auto", "torch", "mindspore"):
+        raise UsageError(f"unknown --framework {args.framework!r}; choose auto, torch or mindspore")
     try:
-        written = export_full(args.checkpoint, args.out, key=args.key or None)
-    except (ValueError, KeyError, ImportError) as error:
-        raise UsageError(str(error)) from None
+        path = _resolved_checkpoint(args.checkpoint)
+        framework = _checkpoint_framework(path) if args.framework == "auto" else args.framework
+        written = (_export_mindspore(args, path) if framework == "mindspore" else _export_torch(args, path))
+    except (CheckpointError, ValueError, OSError, ImportError) as error:
+        raise UsageError(one_line(error)) from None
     print(f"wrote {written}")
     return 0
+
+
+def one_line(error: BaseException) -> str:
+    """An error's message on one line (a mismatch lists its problems on several)."""
+    return "; ".join(line.strip() for line in str(error).splitlines() if line.strip()) or type(error).__name__
+
+
+def _resolved_checkpoint(path: str) -> Path:
+    """The directory ``path`` is loaded from, as every loader finds it; a recovered one is said in one line."""
+    import warnings
+
+    from fullshard.core.atomic import RecoveredCheckpointWarning, resolve
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", RecoveredCheckpointWarning)
+        resolved = resolve(path)
+    for warning in caught:
+        print(f"fullshard export: warning: {warning.message}", file=sys.stderr)
+    return resolved
+
+
+def _checkpoint_framework(path: Path) -> str:
+    """Which runtime wrote checkpoint ``path``: its manifest says so; without one, its metadata file does."""
+    from fullshard.core import manifest, shardfiles
+
+    if manifest.present(path):
+        return manifest.read(path).framework
+    if shardfiles.is_sharded_checkpoint(path):
+        return "mindspore"
+    if not Path(path, ".metadata").is_file():
+        raise UsageError(f"{path} is not a complete checkpoint directory (no {manifest.MANIFEST_FILE}, no "
+                         f".metadata, nor a MindSpore {shardfiles.METADATA_FILE})")
+    return "torch"
+
+
+def _export_mindspore(args, path: Path) -> Path:
+    from fullshard.core import manifest, shardfiles
+
+    if not (shardfiles.is_sharded_checkpoint(path) or manifest.present(path)):
+        raise UsageError(f"{path} is not a complete MindSpore checkpoint directory (no {shardfiles.METADATA_FILE})")
+    if args.key not in ("model", ""):
+        raise UsageError("--key selects an entry of a torch checkpoint; a MindSpore export holds the model")
+    return shardfiles.export_full(path, args.out)  # numpy only: no MindSpore needed
+
+
+def _export_torch(args, path: Path) -> Path:
+    from fullshard.torch.checkpoint import export_full
+
+    return export_full(path, args.out, key=args.key or None, require_manifest=not args.without_manifest)
 
 
 def format_bytes(nbytes: float) -> str:

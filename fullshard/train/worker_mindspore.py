@@ -89,6 +89,17 @@ def _sum_over_ranks(value: float) -> float:
     return float(ops.AllReduce()(Tensor(np.array([value], np.float32))).asnumpy()[0])
 
 
+def resume(cfg: TrainConfig, model, optimizer) -> int:
+    """Load the latest checkpoint under ``cfg.checkpoint_dir`` (found as ``export`` finds it); its step."""
+    from fullshard.mindspore import load_checkpoint
+
+    start = latest_step(cfg.checkpoint_dir)
+    if start is None:
+        raise FileNotFoundError(f"--resume: no complete checkpoint under {cfg.checkpoint_dir}")
+    load_checkpoint(model, step_dir(cfg.checkpoint_dir, start), optimizer)
+    return start
+
+
 def run_rank(cfg: TrainConfig, run_dir: Path) -> dict:
     """Train on this msrun worker; writes ``result_<rank>.json`` into ``run_dir``."""
     import mindspore as ms
@@ -96,7 +107,7 @@ def run_rank(cfg: TrainConfig, run_dir: Path) -> dict:
 
     from fullshard.core.msrun import register_worker
     from fullshard.core.traffic import reset_traffic, traffic_bytes
-    from fullshard.mindspore import clip_grad_norm, load_checkpoint, memory_report, save_checkpoint
+    from fullshard.mindspore import clip_grad_norm, memory_report, save_checkpoint
     from fullshard.models.gpt_mindspore import count_units
 
     _setup()
@@ -109,12 +120,7 @@ def run_rank(cfg: TrainConfig, run_dir: Path) -> dict:
     result = RankResult(rank, world, units=count_units(model))
     shard(model, cfg)
     optimizer = make_optimizer(model.trainable_params(), cfg)
-    start = 0
-    if cfg.resume:
-        start = latest_step(cfg.checkpoint_dir)
-        if start is None:
-            raise FileNotFoundError(f"--resume: no complete checkpoint under {cfg.checkpoint_dir}")
-        load_checkpoint(model, step_dir(cfg.checkpoint_dir, start), optimizer)
+    start = resume(cfg, model, optimizer) if cfg.resume else 0
     result.start_step = start
     grad_fn = ms.value_and_grad(lambda x, y: model.loss(x, y) / cfg.grad_accum, None, optimizer.parameters)
     micro = cfg.batch_size // world // cfg.grad_accum
