@@ -35,7 +35,7 @@ LOST_EXIT_CODE = 75  # sysexits' EX_TEMPFAIL: try again (--resume)
 LOST_FILE = "lost_ranks.json"
 # Set by fullshard train when it is the launcher: it prints the line itself, so the workers only leave the file
 LAUNCHER_REPORTS_ENV = "FULLSHARD_LAUNCHER_REPORTS"
-DONE = b"done\n"  # a rank's normal end (to the hub), or the hub's (to every rank)
+DONE = "done"  # the line of a rank's normal end (to the hub), or of the hub's (to every rank)
 GATHER_S = 1.0  # after the first loss, how long the hub waits for the rest of a node's ranks
 
 
@@ -83,7 +83,7 @@ class RollCall:
         self._peers: dict[socket.socket, tuple[int, int]] = {}  # hub: connection -> (rank, node)
         self._hub: Optional[socket.socket] = None
         self.step: Optional[int] = None  # the step in progress, for the line (set by the training loop)
-        self._wake_r, self._wake_w = socket.socketpair()
+        self._wake_r, self._wake_w = socket.socketpair()  # finish() wakes the hub's watcher with it
 
     @classmethod
     def start(cls, rank: int, node: int, world: int, share: Callable[[str], str], master_addr: str,
@@ -108,16 +108,18 @@ class RollCall:
         return call
 
     def _accept(self, server: socket.socket, count: int) -> None:
+        """Each rank connects and says "<rank> <node>" (within the server's timeout)."""
         for _ in range(count):
             conn, _ = server.accept()
-            conn.settimeout(None)
-            _keepalive(conn)
+            conn.settimeout(server.gettimeout())
             buffer = bytearray()
             lines: Optional[list[str]] = []
             while lines == []:
                 lines = _read_lines(conn, buffer)
             if not lines:
                 raise ConnectionError("roll call: a rank connected and left before saying who it is")
+            conn.settimeout(None)
+            _keepalive(conn)
             rank, node = map(int, lines[0].split())
             self._peers[conn] = (rank, node)
 
@@ -143,7 +145,7 @@ class RollCall:
                 if key.fileobj is self._wake_r:
                     continue
                 lines = _read_lines(key.fileobj, key.data)
-                if lines is None or "done" in lines:
+                if lines is None or DONE in lines:
                     selector.unregister(key.fileobj)
                 if lines is None:  # it ended without saying done: lost
                     lost.update([self._peers[key.fileobj]])
@@ -167,7 +169,7 @@ class RollCall:
         buffer = bytearray()
         while True:
             lines = _read_lines(self._hub, buffer)
-            if self._finished.is_set() or (lines and "done" in lines):
+            if self._finished.is_set() or (lines and DONE in lines):
                 return
             if lines is None:
                 self._report({0: 0})  # rank 0 is on node 0 by the numbering of every launcher
@@ -203,7 +205,7 @@ class RollCall:
         self._wake_w.send(b"x")
         for conn in [*self._peers, *([self._hub] if self._hub else [])]:
             try:
-                conn.sendall(DONE)
+                conn.sendall(f"{DONE}\n".encode())
                 conn.close()
             except OSError:
                 pass
@@ -236,7 +238,8 @@ def stop_for_lost_ranks(lost: dict[int, int], step: Optional[int], out_dir: Opti
                         hint: str) -> None:
     """End this process with :data:`LOST_EXIT_CODE`, leaving the line in ``out_dir`` and printing it if ``say``."""
     when = f"during step {step + 1}" if step is not None else "before the first step"
-    line = (f"lost {describe_ranks(lost)} {when}: their processes ended or their host stopped answering, "
+    whose = "their processes" if len(lost) > 1 else "its process"
+    line = (f"lost {describe_ranks(lost)} {when}: {whose} ended or {whose.split()[0]} host stopped answering, "
             f"so the ranks here stopped too{hint}")
     if out_dir:
         Path(out_dir).mkdir(parents=True, exist_ok=True)
