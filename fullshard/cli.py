@@ -12,6 +12,9 @@ command runs on several machines:
 
     torchrun --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d \\
         --rdzv-endpoint HOST:29500 -m fullshard train --device cuda
+
+or, on either framework, each node runs ``fullshard train --nnodes 2
+--node-rank R --master-addr HOST --master-port P`` (docs/multi-node.md).
 """
 from __future__ import annotations
 
@@ -288,10 +291,9 @@ def _run_workers(cfg, nodes: Nodes) -> Optional[list[dict]]:
 
 def train(args) -> int:
     cfg = _train_config(args)
-    from fullshard.train.nodes import nodes_of
     from fullshard.train.report import format_node_summary, format_table, write_report
 
-    nodes = nodes_of(cfg, 0)
+    nodes = Nodes(**cfg.nodes)
     results = _run_workers(cfg, nodes)
     if results is None:
         return 0

@@ -21,9 +21,9 @@ import torch.nn as nn
 from fullshard.core.procs import peak_rss_bytes
 from fullshard.plan.exchange import DEFAULT_BACKENDS
 from fullshard.core.traffic import traffic
+from fullshard.train import rollcall
 from fullshard.train.config import EVAL_BATCHES, RankResult, TrainConfig, learning_rate
 from fullshard.train.data import ByteCorpus
-from fullshard.train import rollcall
 from fullshard.train.models import ModelSpec, count_units
 from fullshard.train.nodes import Nodes, choose_mesh, nodes_of
 from fullshard.train.progress import Progress

@@ -28,8 +28,8 @@ import numpy as np
 from fullshard.core.atomic import latest_step, step_dir
 from fullshard.core.procs import peak_rss_bytes
 from fullshard.models.config import MODEL_SIZES
-from fullshard.train.config import EVAL_BATCHES, RankResult, TrainConfig, learning_rate
 from fullshard.train import rollcall
+from fullshard.train.config import EVAL_BATCHES, RankResult, TrainConfig, learning_rate
 from fullshard.train.data import ByteCorpus
 from fullshard.train.nodes import Nodes, choose_mesh, nodes_of
 from fullshard.train.progress import Progress
