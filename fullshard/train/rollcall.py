@@ -37,6 +37,7 @@ LOST_FILE = "lost_ranks.json"
 LAUNCHER_REPORTS_ENV = "FULLSHARD_LAUNCHER_REPORTS"
 DONE = "done"  # the line of a rank's normal end (to the hub), or of the hub's (to every rank)
 GATHER_S = 1.0  # after the first loss, how long the hub waits for the rest of a node's ranks
+SPEAK_FIRST_S = 2.0  # how long the other ranks of a node wait for its first rank to say who was lost
 
 
 def _keepalive(sock: socket.socket) -> None:
@@ -221,29 +222,29 @@ def start_for_job(cfg: TrainConfig, rank: int, world: int, share: Callable[[str]
     if nodes.nnodes == 1:
         return None
     call: Optional[RollCall] = None
-
     first_here = int(os.environ.get("LOCAL_RANK", rank % nodes.per_node)) == 0  # msrun sets no LOCAL_RANK
 
     def on_lost(lost: dict[int, int]) -> None:
-        step = call.step if call is not None else None
-        say = first_here and not os.environ.get(LAUNCHER_REPORTS_ENV)
-        stop_for_lost_ranks(lost, step, cfg.out_dir if first_here else None, say,
-                            last_checkpoint_hint(cfg.checkpoint_dir))
+        if not first_here:
+            # The launcher stops every rank of this node when the first one exits: leave the first
+            # rank here the time to say it.
+            time.sleep(SPEAK_FIRST_S)
+            os._exit(LOST_EXIT_CODE)
+        stop_for_lost_ranks(lost, call.step if call is not None else None, cfg.out_dir,
+                            not os.environ.get(LAUNCHER_REPORTS_ENV), last_checkpoint_hint(cfg.checkpoint_dir))
 
     call = RollCall.start(rank, nodes.node_rank, world, share, nodes.master_addr, on_lost, timeout=cfg.timeout_s)
     return call
 
 
-def stop_for_lost_ranks(lost: dict[int, int], step: Optional[int], out_dir: Optional[str], say: bool,
-                        hint: str) -> None:
+def stop_for_lost_ranks(lost: dict[int, int], step: Optional[int], out_dir: str, say: bool, hint: str) -> None:
     """End this process with :data:`LOST_EXIT_CODE`, leaving the line in ``out_dir`` and printing it if ``say``."""
     when = f"during step {step + 1}" if step is not None else "before the first step"
     whose = "their processes" if len(lost) > 1 else "its process"
     line = (f"lost {describe_ranks(lost)} {when}: {whose} ended or {whose.split()[0]} host stopped answering, "
             f"so the ranks here stopped too{hint}")
-    if out_dir:
-        Path(out_dir).mkdir(parents=True, exist_ok=True)
-        Path(out_dir, LOST_FILE).write_text(json.dumps({"lost": lost, "step": step, "line": line}))
+    Path(out_dir).mkdir(parents=True, exist_ok=True)
+    Path(out_dir, LOST_FILE).write_text(json.dumps({"lost": lost, "step": step, "line": line}))
     if say:
         print(f"fullshard train: {line}", file=sys.stderr, flush=True)
     sys.stdout.flush()
