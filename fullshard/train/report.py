@@ -156,7 +156,10 @@ def format_table(summary: dict) -> str:
             extra = f"      {_mib(carried.get(kind, 0))}" if carried else ""
             lines.append(f"    {kind:<15}{_mib(measured.get(kind, 0))}            {_mib(traffic[kind])}{extra}")
     if carried:
-        lines.append(f"    sent/rank      {_mib(bytes_sent_per_rank(measured, summary['world_size']))}            "
+        # the collectives run within a shard group (and, with HSDP, across as many replicas): exact when
+        # both have the same size, as on 2 nodes of 2
+        group = (summary.get("mesh") or {}).get("shape", [summary["world_size"]])[-1]
+        lines.append(f"    sent/rank      {_mib(bytes_sent_per_rank(measured, group))}            "
                      f"{_mib(theory['sent'])}      {_mib(theory['carried_sent'])}")
     if summary.get("plot"):
         lines.append(f"  plot         {summary['plot']}")
