@@ -105,7 +105,7 @@ def fullshard(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
 
 
 def finished(nodes: Nodes, timeout: float) -> dict:
-    """Both nodes succeeded and left nothing behind; node 0's report."""
+    """Both nodes succeeded and left nothing behind; node 0's report (in the --out of the one that was node 0)."""
     try:
         codes = nodes.wait(timeout)
         left = nodes.left_behind()
@@ -113,19 +113,29 @@ def finished(nodes: Nodes, timeout: float) -> dict:
         nodes.stop()
     assert codes == [0, 0], nodes.text(0, "err")[-3000:] + nodes.text(1, "err")[-3000:]
     assert left == []
-    return json.loads((nodes.out / "n0" / "report.json").read_text())
+    (report,) = [p for p in (nodes.out / "n0" / "report.json", nodes.out / "n1" / "report.json") if p.exists()]
+    return json.loads(report.read_text())
 
 
 def held(rank: dict) -> int:
     return rank["param_bytes"] + rank["grad_bytes"] + rank["optim_bytes"]
 
 
-def assert_two_nodes(report: dict, nodes: Nodes) -> None:
-    """Ranks 0-1 ran on node 0 and 2-3 on node 1, each node's pair started by an agent of its own."""
+def assert_two_nodes(report: dict, nodes: Nodes, node_1: int = 1) -> None:
+    """Ranks 0-1 ran on node 0 and 2-3 on node 1, each node's pair started by an agent of its own; the
+    command started ``node_1``-th printed node 1's own summary."""
     assert {k: v["ranks"] for k, v in report["nodes"].items()} == {"0": [0, 1], "1": [2, 3]}
     agents = [v["launcher_pids"] for _, v in sorted(report["nodes"].items())]
     assert len(agents[0]) == len(agents[1]) == 1 and agents[0] != agents[1], agents
-    assert "node 1 of 2 finished: ranks 2, 3" in nodes.text(1)  # node 1 says how its own ranks did
+    assert "node 1 of 2 finished: ranks 2, 3" in nodes.text(node_1)
+
+
+def torchrun_node_1(report: dict, nodes: Nodes) -> int:
+    """Which agent c10d made node 1 (it numbers them by sorting their ids, not by start order): the
+    workers' parent, each of the two torchrun processes."""
+    agents = [v["launcher_pids"] for _, v in sorted(report["nodes"].items())]
+    assert sorted(agents) == sorted([p.pid] for p in nodes.procs), agents
+    return [p.pid for p in nodes.procs].index(agents[1][0])
 
 
 # ---------------------------------------------------------------------- torch
@@ -139,9 +149,9 @@ def torch_hsdp(tmp_path_factory):
 
 def test_torchrun_agents_train_hsdp_by_default_like_the_reference(torch_hsdp):
     nodes, report = torch_hsdp
-    assert_two_nodes(report, nodes)
-    assert [v["launcher_pids"] for _, v in sorted(report["nodes"].items())] == [[p.pid] for p in nodes.procs]
-    assert report["mesh"]["kind"] == "hsdp" and "chosen by default for 2 nodes" in nodes.text(0)
+    node_1 = torchrun_node_1(report, nodes)
+    assert_two_nodes(report, nodes, node_1)
+    assert report["mesh"]["kind"] == "hsdp" and "chosen by default for 2 nodes" in nodes.text(1 - node_1)
     for rank in report["ranks"]:  # what the parameters really are, on every rank
         assert rank["mesh_shape"] == [2, 2] and rank["placements"] == "(Replicate(), Shard(dim=0))", rank
         assert abs(held(rank) - HELD_PER_PARAM * report["theory"]["num_params"] / 2) < 0.01 * held(rank)
@@ -153,7 +163,7 @@ def test_torchrun_agents_train_hsdp_by_default_like_the_reference(torch_hsdp):
 def test_torchrun_agents_train_plain_fsdp_over_all_four_ranks(tmp_path):
     nodes = torchrun_nodes(tmp_path, "--mesh", "fsdp", "--steps", "4", "--verify")
     report = finished(nodes, 300)
-    assert_two_nodes(report, nodes)
+    assert_two_nodes(report, nodes, torchrun_node_1(report, nodes))
     for rank in report["ranks"]:
         assert rank["mesh_shape"] == [4] and rank["placements"] == "(Shard(dim=0),)", rank
         assert abs(held(rank) - HELD_PER_PARAM * report["theory"]["num_params"] / 4) < 0.02 * held(rank)
