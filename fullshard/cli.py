@@ -12,6 +12,9 @@ command runs on several machines:
 
     torchrun --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d \\
         --rdzv-endpoint HOST:29500 -m fullshard train --device cuda
+
+or, on either framework, each node runs ``fullshard train --nnodes 2
+--node-rank R --master-addr HOST --master-port P`` (docs/multi-node.md).
 """
 from __future__ import annotations
 
@@ -26,6 +29,8 @@ from typing import Optional
 
 from fullshard.core.procs import free_port
 from fullshard.plan.strategy import Strategy
+from fullshard.train.config import last_checkpoint_hint
+from fullshard.train.nodes import DEFAULT_MASTER_PORT, Nodes, NodesError
 
 STRATEGIES = [s.value for s in Strategy]
 
@@ -45,7 +50,15 @@ def _parser() -> argparse.ArgumentParser:
 
     train = sub.add_parser("train", help="train a small GPT on text with N sharded processes")
     train.add_argument("--framework", default="torch", help="torch | mindspore (default torch)")
-    train.add_argument("--nproc", type=int, default=2, help="processes on this machine (default 2)")
+    train.add_argument("--nproc", type=int, default=2, help="processes on this node (default 2)")
+    train.add_argument("--nnodes", type=int, help="nodes (machines) in the run, each running this command with "
+                       "its own --node-rank (default 1; under torchrun: torchrun's)")
+    train.add_argument("--node-rank", type=int, help="this node's rank, 0 to --nnodes - 1 (default 0)")
+    train.add_argument("--master-addr", help="node 0's address, which every node can reach (default 127.0.0.1)")
+    train.add_argument("--master-port", type=int, help=f"node 0's port for the rendezvous (torch) or msrun's "
+                       f"scheduler (mindspore); default {DEFAULT_MASTER_PORT}")
+    train.add_argument("--mesh", default="auto", help="auto (hsdp with more than one node, else fsdp) | fsdp "
+                       "(shard across every rank) | hsdp (replicate across nodes, shard within each)")
     train.add_argument("--model", default="small", help="tiny | small | medium (default small)")
     train.add_argument("--hf-config", help="train a Hugging Face causal LM from a config instead (needs "
                        "transformers): a model type (llama, qwen2, ...), a config.json path or inline JSON")
@@ -123,6 +136,25 @@ def _check_framework(args) -> None:
         raise UsageError("--framework mindspore needs MindSpore: pip install 'fullshard[mindspore]'")
 
 
+def _under_torchrun() -> bool:
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def _nodes(args) -> Nodes:
+    """The nodes of this run: torchrun's, when it started this process, else the flags' (checked)."""
+    from fullshard.train.nodes import choose_mesh, nodes_from_flags, nodes_from_torchrun
+
+    try:
+        if args.framework == "torch" and _under_torchrun():
+            nodes = nodes_from_torchrun(os.environ, {"nnodes": args.nnodes, "node_rank": args.node_rank})
+        else:
+            nodes = nodes_from_flags(args.nnodes, args.node_rank, args.nproc, args.master_addr, args.master_port)
+        choose_mesh(args.mesh, nodes, args.strategy)
+    except NodesError as error:
+        raise UsageError(str(error)) from None
+    return nodes
+
+
 def _train_config(args):
     from fullshard.models.config import MODEL_SIZES
     from fullshard.train.config import TrainConfig
@@ -134,7 +166,8 @@ def _train_config(args):
         raise UsageError(f"unknown --model {args.model!r}; choose one of {', '.join(MODEL_SIZES)}")
     if args.device not in ("cpu", "cuda"):
         raise UsageError(f"unknown --device {args.device!r}; choose cpu or cuda")
-    world = int(os.environ.get("WORLD_SIZE", args.nproc))
+    nodes = _nodes(args)
+    world = nodes.world
     for name in ("steps", "batch_size", "grad_accum"):
         if getattr(args, name) < 1:
             raise UsageError(f"--{name.replace('_', '-')} must be at least 1")
@@ -159,35 +192,52 @@ def _train_config(args):
         steps=args.steps, batch_size=args.batch_size, lr=args.lr, seed=args.seed, data=args.data,
         checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every, resume=args.resume,
         out_dir=args.out, device=args.device, timeout_s=args.timeout, framework=args.framework,
+        mesh=args.mesh, nodes=asdict(nodes),
     )
 
 
-def _launch(cfg, nproc: int) -> list[dict]:
-    """Start ``nproc`` local workers with torch's elastic launcher; return every rank's result."""
+def _rendezvous(nodes: Nodes) -> dict:
+    """How this node's agent meets the others' (LaunchConfig's rendezvous fields).
+
+    One node: c10d on a free loopback port. Several: the static rendezvous, the only one that keeps
+    --node-rank (c10d numbers nodes in the order they arrive); node 0 holds its store at
+    --master-addr:--master-port.
+    """
+    if nodes.nnodes == 1:
+        return dict(rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{free_port()}",
+                    run_id=f"fullshard-{uuid.uuid4().hex[:8]}")
+    return dict(rdzv_backend="static", rdzv_endpoint=f"{nodes.master_addr}:{nodes.master_port}",
+                rdzv_configs={"rank": nodes.node_rank}, run_id=f"fullshard-{nodes.master_port}")
+
+
+def _launch(cfg, nodes: Nodes) -> list[dict]:
+    """Start this node's workers with torch's elastic launcher; return every rank's result."""
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
+    from fullshard.train.rollcall import LAUNCHER_REPORTS_ENV, clear_lost_ranks
     from fullshard.train.worker import worker_entry
 
-    config = LaunchConfig(
-        min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=f"fullshard-{uuid.uuid4().hex[:8]}",
-        rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{free_port()}", max_restarts=0, monitor_interval=0.5,
-        start_method="spawn",
-    )
+    config = LaunchConfig(min_nodes=nodes.nnodes, max_nodes=nodes.nnodes, nproc_per_node=nodes.per_node,
+                          max_restarts=0, monitor_interval=0.5, start_method="spawn", **_rendezvous(nodes))
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    os.environ[LAUNCHER_REPORTS_ENV] = "1"  # a lost node is said once, below, not by every worker too
+    clear_lost_ranks(cfg.out_dir)
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     try:
         returned = elastic_launch(config, worker_entry)(json.dumps(asdict(cfg)))
     except (SignalException, KeyboardInterrupt) as error:
-        raise WorkerFailed(f"interrupted ({error or 'keyboard interrupt'}){_last_checkpoint_hint(cfg)}") from None
+        hint = last_checkpoint_hint(cfg.checkpoint_dir)
+        raise WorkerFailed(f"interrupted ({error or 'keyboard interrupt'}){hint}") from None
     except ChildFailedError as error:
         rank, failure = error.get_first_failure()
+        _raise_if_ranks_were_lost(cfg, failure.exitcode)
         raise WorkerFailed(
             f"rank {rank} failed first (exit code {failure.exitcode}); the other ranks stopped with it. "
             "Its traceback is printed above."
         ) from None
-    return returned[0]
+    return returned[min(returned)]  # keyed by global rank: on node k the first is k * nproc
 
 
 def _check_resumable(checkpoint_dir: str, framework: str) -> None:
@@ -212,52 +262,74 @@ def _check_resumable(checkpoint_dir: str, framework: str) -> None:
         raise UsageError(f"--resume: {one_line(error)}") from None
 
 
-def _last_checkpoint_hint(cfg) -> str:
-    if not cfg.checkpoint_dir:
-        return ""
-    from fullshard.core.atomic import latest_step
+def _raise_if_ranks_were_lost(cfg, exit_code: Optional[int]) -> None:
+    """A worker that stopped because other nodes' ranks were lost left the line to say (rollcall.py)."""
+    from fullshard.train.rollcall import LOST_EXIT_CODE, read_lost_ranks
 
-    step = latest_step(Path(cfg.checkpoint_dir))
-    return f"; the last complete checkpoint is step {step}: continue with --resume" if step else ""
+    lost = read_lost_ranks(cfg.out_dir) if exit_code == LOST_EXIT_CODE else None
+    if lost is not None:
+        raise WorkerFailed(lost["line"])
 
 
-def _launch_mindspore(cfg, nproc: int) -> list[dict]:
+def _launch_mindspore(cfg, nodes: Nodes) -> list[dict]:
     from fullshard.core import msrun
+    from fullshard.train.rollcall import clear_lost_ranks
     from fullshard.train.worker_mindspore import launch
 
+    clear_lost_ranks(cfg.out_dir)
     try:
-        return launch(cfg, nproc, Path(cfg.out_dir) / "msrun")
+        return launch(cfg, nodes, Path(cfg.out_dir) / "msrun")
     except msrun.Interrupted as error:
-        raise WorkerFailed(f"interrupted ({error}){_last_checkpoint_hint(cfg)}") from None
+        raise WorkerFailed(f"interrupted ({error}){last_checkpoint_hint(cfg.checkpoint_dir)}") from None
     except msrun.WorkerFailed as error:
+        _raise_if_ranks_were_lost(cfg, error.exit_code)
         if error.log:
             print(f"--- rank {error.rank}'s log (the rest is in {Path(cfg.out_dir) / 'msrun' / 'logs'}) ---\n"
                   f"{error.log}", file=sys.stderr)
-        raise WorkerFailed(f"{error}{_last_checkpoint_hint(cfg)}") from None
+        raise WorkerFailed(f"{error}{last_checkpoint_hint(cfg.checkpoint_dir)}") from None
+
+
+def _announce(cfg, nodes: Nodes) -> None:
+    """The first line: what starts here (on several nodes, which part of the run this node is)."""
+    what = "msrun workers (mindspore)" if cfg.framework == "mindspore" else "processes"
+    where = ""
+    if nodes.nnodes > 1:
+        ranks = nodes.ranks_on(nodes.node_rank)
+        where = (f" on node {nodes.node_rank} of {nodes.nnodes} (ranks {ranks[0]}-{ranks[-1]} of {nodes.world}, "
+                 f"node 0 at {nodes.master_addr}:{nodes.master_port})")
+    print(f"fullshard train: {nodes.per_node} {what}{where}, model {cfg.model}, strategy {cfg.strategy}, "
+          f"{cfg.mixed_precision}, {cfg.steps} steps -> {cfg.out_dir}", flush=True)
+
+
+def _run_workers(cfg, nodes: Nodes) -> Optional[list[dict]]:
+    """Every rank's result on the node that reports (rank 0's), this node's ranks' elsewhere; None: nothing to say."""
+    if cfg.framework == "torch" and _under_torchrun():  # this process is one rank
+        from fullshard.train.worker import worker_entry
+
+        results = worker_entry(json.dumps(asdict(cfg)))
+        first_here = int(os.environ.get("LOCAL_RANK", 0)) == 0
+        if int(os.environ["RANK"]) != 0 and not (first_here and nodes.nnodes > 1):
+            return None
+        return results
+    _announce(cfg, nodes)
+    return _launch_mindspore(cfg, nodes) if cfg.framework == "mindspore" else _launch(cfg, nodes)
 
 
 def train(args) -> int:
     cfg = _train_config(args)
-    from fullshard.train.report import format_table, write_report
+    from fullshard.train.report import format_node_summary, format_table, write_report
 
+    nodes = Nodes(**cfg.nodes)
+    results = _run_workers(cfg, nodes)
+    if results is None:
+        return 0
+    if nodes.node_rank != 0:  # the report is node 0's; this node says how its own ranks did
+        print(format_node_summary(results, nodes))
+        return 0
     if cfg.framework == "mindspore":
         from fullshard.train.worker_mindspore import reference_losses
-
-        print(f"fullshard train: {args.nproc} msrun workers (mindspore), model {cfg.model}, strategy {cfg.strategy}, "
-              f"{cfg.mixed_precision}, {cfg.steps} steps -> {cfg.out_dir}", flush=True)
-        results = _launch_mindspore(cfg, args.nproc)
-    elif "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # under torchrun: this process is one rank
-        from fullshard.train.worker import reference_losses, worker_entry
-
-        results = worker_entry(json.dumps(asdict(cfg)))
-        if int(os.environ["RANK"]) != 0:
-            return 0
     else:
         from fullshard.train.worker import reference_losses
-
-        print(f"fullshard train: {args.nproc} processes, model {cfg.model}, strategy {cfg.strategy}, "
-              f"{cfg.mixed_precision}, {cfg.steps} steps -> {cfg.out_dir}", flush=True)
-        results = _launch(cfg, args.nproc)
     reference = None
     if args.verify:
         print(f"verify: training the single-process reference on the same {cfg.steps} global batches ...", flush=True)
