@@ -12,6 +12,9 @@ command runs on several machines:
 
     torchrun --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d \\
         --rdzv-endpoint HOST:29500 -m fullshard train --device cuda
+
+or, on either framework, each node runs ``fullshard train --nnodes 2
+--node-rank R --master-addr HOST --master-port P`` (docs/multi-node.md).
 """
 from __future__ import annotations
 
@@ -26,6 +29,8 @@ from typing import Optional
 
 from fullshard.core.procs import free_port
 from fullshard.plan.strategy import Strategy
+from fullshard.train.config import last_checkpoint_hint
+from fullshard.train.nodes import DEFAULT_MASTER_PORT, Nodes, NodesError
 
 STRATEGIES = [s.value for s in Strategy]
 
@@ -45,7 +50,15 @@ def _parser() -> argparse.ArgumentParser:
 
     train = sub.add_parser("train", help="train a small GPT on text with N sharded processes")
     train.add_argument("--framework", default="torch", help="torch | mindspore (default torch)")
-    train.add_argument("--nproc", type=int, default=2, help="processes on this machine (default 2)")
+    train.add_argument("--nproc", type=int, default=2, help="processes on this node (default 2)")
+    train.add_argument("--nnodes", type=int, help="nodes (machines) in the run, each running this command with "
+                       "its own --node-rank (default 1; under torchrun: torchrun's)")
+    train.add_argument("--node-rank", type=int, help="this node's rank, 0 to --nnodes - 1 (default 0)")
+    train.add_argument("--master-addr", help="node 0's address, which every node can reach (default 127.0.0.1)")
+    train.add_argument("--master-port", type=int, help=f"node 0's port for the rendezvous (torch) or msrun's "
+                       f"scheduler (mindspore); default {DEFAULT_MASTER_PORT}")
+    train.add_argument("--mesh", default="auto", help="auto (hsdp with more than one node, else fsdp) | fsdp "
+                       "(shard across every rank) | hsdp (replicate across nodes, shard within each)")
     train.add_argument("--model", default="small", help="tiny | small | medium (default small)")
     train.add_argument("--hf-config", help="train a Hugging Face causal LM from a config instead (needs "
                        "transformers): a model type (llama, qwen2, ...), a config.json path or inline JSON")
@@ -74,6 +87,8 @@ def _parser() -> argparse.ArgumentParser:
     export.add_argument("--key", default="model", help="torch: top-level entry to export ('' for everything; "
                         "default model)")
     export.add_argument("--framework", default="auto", help="auto (from the directory) | torch | mindspore")
+    export.add_argument("--without-manifest", action="store_true", help="torch: also export a stock DCP/FSDP2 "
+                        "checkpoint, which has no fullshard manifest (every check runs but the digests)")
 
     estimate = sub.add_parser("estimate", help="memory and traffic per rank, from the planning code")
     estimate.add_argument("--params", type=float, help="number of parameters, e.g. 7e9")
@@ -121,6 +136,25 @@ def _check_framework(args) -> None:
         raise UsageError("--framework mindspore needs MindSpore: pip install 'fullshard[mindspore]'")
 
 
+def _under_torchrun() -> bool:
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def _nodes(args) -> Nodes:
+    """The nodes of this run: torchrun's, when it started this process, else the flags' (checked)."""
+    from fullshard.train.nodes import choose_mesh, nodes_from_flags, nodes_from_torchrun
+
+    try:
+        if args.framework == "torch" and _under_torchrun():
+            nodes = nodes_from_torchrun(os.environ, {"nnodes": args.nnodes, "node_rank": args.node_rank})
+        else:
+            nodes = nodes_from_flags(args.nnodes, args.node_rank, args.nproc, args.master_addr, args.master_port)
+        choose_mesh(args.mesh, nodes, args.strategy)
+    except NodesError as error:
+        raise UsageError(str(error)) from None
+    return nodes
+
+
 def _train_config(args):
     from fullshard.models.config import MODEL_SIZES
     from fullshard.train.config import TrainConfig
@@ -132,7 +166,8 @@ def _train_config(args):
         raise UsageError(f"unknown --model {args.model!r}; choose one of {', '.join(MODEL_SIZES)}")
     if args.device not in ("cpu", "cuda"):
         raise UsageError(f"unknown --device {args.device!r}; choose cpu or cuda")
-    world = int(os.environ.get("WORLD_SIZE", args.nproc))
+    nodes = _nodes(args)
+    world = nodes.world
     for name in ("steps", "batch_size", "grad_accum"):
         if getattr(args, name) < 1:
             raise UsageError(f"--{name.replace('_', '-')} must be at least 1")
@@ -150,88 +185,151 @@ def _train_config(args):
         _require_transformers()
     if (args.resume or args.checkpoint_every) and not args.checkpoint_dir:
         raise UsageError("--resume and --checkpoint-every need --checkpoint-dir")
+    if args.resume:
+        _check_resumable(args.checkpoint_dir, args.framework)
     return TrainConfig(
         model=args.model, hf_config=args.hf_config, strategy=args.strategy, mixed_precision=args.mixed_precision, grad_accum=args.grad_accum,
         steps=args.steps, batch_size=args.batch_size, lr=args.lr, seed=args.seed, data=args.data,
         checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every, resume=args.resume,
         out_dir=args.out, device=args.device, timeout_s=args.timeout, framework=args.framework,
+        mesh=args.mesh, nodes=asdict(nodes),
     )
 
 
-def _launch(cfg, nproc: int) -> list[dict]:
-    """Start ``nproc`` local workers with torch's elastic launcher; return every rank's result."""
+def _rendezvous(nodes: Nodes) -> dict:
+    """How this node's agent meets the others' (LaunchConfig's rendezvous fields).
+
+    One node: c10d on a free loopback port. Several: the static rendezvous, the only one that keeps
+    --node-rank (c10d numbers nodes in the order they arrive); node 0 holds its store at
+    --master-addr:--master-port.
+    """
+    if nodes.nnodes == 1:
+        return dict(rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{free_port()}",
+                    run_id=f"fullshard-{uuid.uuid4().hex[:8]}")
+    return dict(rdzv_backend="static", rdzv_endpoint=f"{nodes.master_addr}:{nodes.master_port}",
+                rdzv_configs={"rank": nodes.node_rank}, run_id=f"fullshard-{nodes.master_port}")
+
+
+def _launch(cfg, nodes: Nodes) -> list[dict]:
+    """Start this node's workers with torch's elastic launcher; return every rank's result."""
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
+    from fullshard.train.rollcall import LAUNCHER_REPORTS_ENV, clear_lost_ranks
     from fullshard.train.worker import worker_entry
 
-    config = LaunchConfig(
-        min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=f"fullshard-{uuid.uuid4().hex[:8]}",
-        rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{free_port()}", max_restarts=0, monitor_interval=0.5,
-        start_method="spawn",
-    )
+    config = LaunchConfig(min_nodes=nodes.nnodes, max_nodes=nodes.nnodes, nproc_per_node=nodes.per_node,
+                          max_restarts=0, monitor_interval=0.5, start_method="spawn", **_rendezvous(nodes))
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    os.environ[LAUNCHER_REPORTS_ENV] = "1"  # a lost node is said once, below, not by every worker too
+    clear_lost_ranks(cfg.out_dir)
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     try:
         returned = elastic_launch(config, worker_entry)(json.dumps(asdict(cfg)))
     except (SignalException, KeyboardInterrupt) as error:
-        raise WorkerFailed(f"interrupted ({error or 'keyboard interrupt'}){_last_checkpoint_hint(cfg)}") from None
+        hint = last_checkpoint_hint(cfg.checkpoint_dir)
+        raise WorkerFailed(f"interrupted ({error or 'keyboard interrupt'}){hint}") from None
     except ChildFailedError as error:
         rank, failure = error.get_first_failure()
+        _raise_if_ranks_were_lost(cfg, failure.exitcode)
         raise WorkerFailed(
             f"rank {rank} failed first (exit code {failure.exitcode}); the other ranks stopped with it. "
             "Its traceback is printed above."
         ) from None
-    return returned[0]
+    return returned[min(returned)]  # keyed by global rank: on node k the first is k * nproc
 
 
-def _last_checkpoint_hint(cfg) -> str:
-    if not cfg.checkpoint_dir:
-        return ""
-    from fullshard.core.atomic import latest_step
+def _check_resumable(checkpoint_dir: str, framework: str) -> None:
+    """The checkpoint ``--resume`` will load, checked here as the workers will check it: a bad one is one line
+    before any worker starts, not a worker's traceback."""
+    from fullshard.core.atomic import latest_step, step_dir
+    from fullshard.core.untrusted import CheckpointError
 
-    step = latest_step(Path(cfg.checkpoint_dir))
-    return f"; the last complete checkpoint is step {step}: continue with --resume" if step else ""
+    step = latest_step(checkpoint_dir)
+    if step is None:
+        raise UsageError(f"--resume: no complete checkpoint under {checkpoint_dir}")
+    try:
+        if framework == "mindspore":
+            from fullshard.core.shardfiles import ShardedCheckpoint
+
+            ShardedCheckpoint(step_dir(checkpoint_dir, step))
+        else:
+            from fullshard.torch.checkpoint import read_metadata
+
+            read_metadata(step_dir(checkpoint_dir, step))
+    except CheckpointError as error:
+        raise UsageError(f"--resume: {one_line(error)}") from None
 
 
-def _launch_mindspore(cfg, nproc: int) -> list[dict]:
+def _raise_if_ranks_were_lost(cfg, exit_code: Optional[int]) -> None:
+    """A worker that stopped because other nodes' ranks were lost left the line to say (rollcall.py)."""
+    from fullshard.train.rollcall import LOST_EXIT_CODE, read_lost_ranks
+
+    lost = read_lost_ranks(cfg.out_dir) if exit_code == LOST_EXIT_CODE else None
+    if lost is not None:
+        raise WorkerFailed(lost["line"])
+
+
+def _launch_mindspore(cfg, nodes: Nodes) -> list[dict]:
     from fullshard.core import msrun
+    from fullshard.train.rollcall import clear_lost_ranks
     from fullshard.train.worker_mindspore import launch
 
+    clear_lost_ranks(cfg.out_dir)
     try:
-        return launch(cfg, nproc, Path(cfg.out_dir) / "msrun")
+        return launch(cfg, nodes, Path(cfg.out_dir) / "msrun")
     except msrun.Interrupted as error:
-        raise WorkerFailed(f"interrupted ({error}){_last_checkpoint_hint(cfg)}") from None
+        raise WorkerFailed(f"interrupted ({error}){last_checkpoint_hint(cfg.checkpoint_dir)}") from None
     except msrun.WorkerFailed as error:
+        _raise_if_ranks_were_lost(cfg, error.exit_code)
         if error.log:
             print(f"--- rank {error.rank}'s log (the rest is in {Path(cfg.out_dir) / 'msrun' / 'logs'}) ---\n"
                   f"{error.log}", file=sys.stderr)
-        raise WorkerFailed(f"{error}{_last_checkpoint_hint(cfg)}") from None
+        raise WorkerFailed(f"{error}{last_checkpoint_hint(cfg.checkpoint_dir)}") from None
+
+
+def _announce(cfg, nodes: Nodes) -> None:
+    """The first line: what starts here (on several nodes, which part of the run this node is)."""
+    what = "msrun workers (mindspore)" if cfg.framework == "mindspore" else "processes"
+    where = ""
+    if nodes.nnodes > 1:
+        ranks = nodes.ranks_on(nodes.node_rank)
+        where = (f" on node {nodes.node_rank} of {nodes.nnodes} (ranks {ranks[0]}-{ranks[-1]} of {nodes.world}, "
+                 f"node 0 at {nodes.master_addr}:{nodes.master_port})")
+    print(f"fullshard train: {nodes.per_node} {what}{where}, model {cfg.model}, strategy {cfg.strategy}, "
+          f"{cfg.mixed_precision}, {cfg.steps} steps -> {cfg.out_dir}", flush=True)
+
+
+def _run_workers(cfg, nodes: Nodes) -> Optional[list[dict]]:
+    """Every rank's result on the node that reports (rank 0's), this node's ranks' elsewhere; None: nothing to say."""
+    if cfg.framework == "torch" and _under_torchrun():  # this process is one rank
+        from fullshard.train.worker import worker_entry
+
+        results = worker_entry(json.dumps(asdict(cfg)))
+        first_here = int(os.environ.get("LOCAL_RANK", 0)) == 0
+        if int(os.environ["RANK"]) != 0 and not (first_here and nodes.nnodes > 1):
+            return None
+        return results
+    _announce(cfg, nodes)
+    return _launch_mindspore(cfg, nodes) if cfg.framework == "mindspore" else _launch(cfg, nodes)
 
 
 def train(args) -> int:
     cfg = _train_config(args)
-    from fullshard.train.report import format_table, write_report
+    from fullshard.train.report import format_node_summary, format_table, write_report
 
+    nodes = Nodes(**cfg.nodes)
+    results = _run_workers(cfg, nodes)
+    if results is None:
+        return 0
+    if nodes.node_rank != 0:  # the report is node 0's; this node says how its own ranks did
+        print(format_node_summary(results, nodes))
+        return 0
     if cfg.framework == "mindspore":
         from fullshard.train.worker_mindspore import reference_losses
-
-        print(f"fullshard train: {args.nproc} msrun workers (mindspore), model {cfg.model}, strategy {cfg.strategy}, "
-              f"{cfg.mixed_precision}, {cfg.steps} steps -> {cfg.out_dir}", flush=True)
-        results = _launch_mindspore(cfg, args.nproc)
-    elif "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # under torchrun: this process is one rank
-        from fullshard.train.worker import reference_losses, worker_entry
-
-        results = worker_entry(json.dumps(asdict(cfg)))
-        if int(os.environ["RANK"]) != 0:
-            return 0
     else:
         from fullshard.train.worker import reference_losses
-
-        print(f"fullshard train: {args.nproc} processes, model {cfg.model}, strategy {cfg.strategy}, "
-              f"{cfg.mixed_precision}, {cfg.steps} steps -> {cfg.out_dir}", flush=True)
-        results = _launch(cfg, args.nproc)
     reference = None
     if args.verify:
         print(f"verify: training the single-process reference on the same {cfg.steps} global batches ...", flush=True)
@@ -285,37 +383,71 @@ def estimate(args) -> int:
 
 
 def export(args) -> int:
-    """One process, no process group: read the shards, write the full state dict."""
-    from fullshard.core import shardfiles
+    """One process, no process group: check the whole checkpoint, read the shards, write the full state dict.
 
-    framework = args.framework
-    if framework not in ("auto", "torch", "mindspore"):
-        raise UsageError(f"unknown --framework {framework!r}; choose auto, torch or mindspore")
-    if framework == "auto":
-        framework = "mindspore" if shardfiles.is_sharded_checkpoint(args.checkpoint) else "torch"
-    if framework == "mindspore":
-        if not shardfiles.is_sharded_checkpoint(args.checkpoint):
-            raise UsageError(f"{args.checkpoint} is not a complete MindSpore checkpoint directory "
-                             f"(no {shardfiles.METADATA_FILE})")
-        if args.key not in ("model", ""):
-            raise UsageError("--key selects an entry of a torch checkpoint; a MindSpore export holds the model")
-        try:
-            written = shardfiles.export_full(args.checkpoint, args.out)  # numpy only: no MindSpore needed
-        except (ValueError, OSError) as error:
-            raise UsageError(str(error)) from None
-        print(f"wrote {written}")
-        return 0
-    from fullshard.torch.checkpoint import export_full
+    Every problem with the checkpoint is one line (a UsageError), never a traceback.
+    """
+    from fullshard.core.untrusted import CheckpointError
 
-    if not Path(args.checkpoint, ".metadata").is_file():
-        raise UsageError(f"{args.checkpoint} is not a complete checkpoint directory (no .metadata, "
-                         f"nor a MindSpore {shardfiles.METADATA_FILE})")
+    if args.framework not in ("auto", "torch", "mindspore"):
+        raise UsageError(f"unknown --framework {args.framework!r}; choose auto, torch or mindspore")
     try:
-        written = export_full(args.checkpoint, args.out, key=args.key or None)
-    except (ValueError, KeyError, ImportError) as error:
-        raise UsageError(str(error)) from None
+        path = _resolved_checkpoint(args.checkpoint)
+        framework = _checkpoint_framework(path) if args.framework == "auto" else args.framework
+        written = (_export_mindspore(args, path) if framework == "mindspore" else _export_torch(args, path))
+    except (CheckpointError, ValueError, OSError, ImportError) as error:
+        raise UsageError(one_line(error)) from None
     print(f"wrote {written}")
     return 0
+
+
+def one_line(error: BaseException) -> str:
+    """An error's message on one line (a mismatch lists its problems on several)."""
+    return "; ".join(line.strip() for line in str(error).splitlines() if line.strip()) or type(error).__name__
+
+
+def _resolved_checkpoint(path: str) -> Path:
+    """The directory ``path`` is loaded from, as every loader finds it; a recovered one is said in one line."""
+    import warnings
+
+    from fullshard.core.atomic import RecoveredCheckpointWarning, resolve
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", RecoveredCheckpointWarning)
+        resolved = resolve(path)
+    for warning in caught:
+        print(f"fullshard export: warning: {warning.message}", file=sys.stderr)
+    return resolved
+
+
+def _checkpoint_framework(path: Path) -> str:
+    """Which runtime wrote checkpoint ``path``: its manifest says so; without one, its metadata file does."""
+    from fullshard.core import manifest, shardfiles
+
+    if manifest.present(path):
+        return manifest.read(path).framework
+    if shardfiles.is_sharded_checkpoint(path):
+        return "mindspore"
+    if not Path(path, ".metadata").is_file():
+        raise UsageError(f"{path} is not a complete checkpoint directory (no {manifest.MANIFEST_FILE}, no "
+                         f".metadata, nor a MindSpore {shardfiles.METADATA_FILE})")
+    return "torch"
+
+
+def _export_mindspore(args, path: Path) -> Path:
+    from fullshard.core import manifest, shardfiles
+
+    if not (shardfiles.is_sharded_checkpoint(path) or manifest.present(path)):
+        raise UsageError(f"{path} is not a complete MindSpore checkpoint directory (no {shardfiles.METADATA_FILE})")
+    if args.key not in ("model", ""):
+        raise UsageError("--key selects an entry of a torch checkpoint; a MindSpore export holds the model")
+    return shardfiles.export_full(path, args.out)  # numpy only: no MindSpore needed
+
+
+def _export_torch(args, path: Path) -> Path:
+    from fullshard.torch.checkpoint import export_full
+
+    return export_full(path, args.out, key=args.key or None, require_manifest=not args.without_manifest)
 
 
 def format_bytes(nbytes: float) -> str:

@@ -17,9 +17,10 @@ import mindspore as ms
 from mindspore import Tensor, nn, ops
 
 import fullshard.mindspore as fs
-from fullshard.core import shardfiles
+from fullshard.core import canonical_json, manifest, shardfiles
 from fullshard.core.atomic import latest_step, partial_dir, step_dir
 from fullshard.core.shardfiles import METADATA_FILE
+from fullshard.core.untrusted import CheckpointError
 from tests.ms_parity import TinyLM, init_numpy, lm_batch, lm_loss, local_rows, rank, mean_over_ranks, wrap_layers
 
 STEPS, SAVE_AT, LR = 6, 3, 1e-2
@@ -92,7 +93,7 @@ def _load_fails(net, opt, path, *expected) -> str:
     before = snapshot(net, opt)
     try:
         fs.load_checkpoint(net, path, opt)
-    except ValueError as error:
+    except CheckpointError as error:
         message = str(error)
     else:
         raise AssertionError(f"loading {path} did not fail")
@@ -112,12 +113,15 @@ def bad_checkpoints_are_refused_and_change_nothing():
     good = root / "good"
     fs.save_checkpoint(net, good, opt)
     fs.save_checkpoint(net, root / "model_only", None)
-    if rank() == 0:  # damaged copies
-        for name in ("dtype", "truncated"):
+    if rank() == 0:  # damaged and crafted copies
+        for name in ("edited", "crafted", "truncated"):
             shutil.copytree(good, root / name)
-        meta = json.loads((root / "dtype" / METADATA_FILE).read_text())
-        meta["entries"]["model/norm.gamma"]["dtype"] = "float16"
-        (root / "dtype" / METADATA_FILE).write_text(json.dumps(meta))
+        for name in ("edited", "crafted"):
+            meta = json.loads((root / name / METADATA_FILE).read_text())
+            meta["entries"]["model/norm.gamma"]["dtype"] = "float16"
+            (root / name / METADATA_FILE).write_bytes(canonical_json.dumps(meta))
+        save_id = manifest.read(root / "crafted").save_id
+        manifest.write(root / "crafted", shardfiles.FRAMEWORK, save_id)  # as a crafted checkpoint would
         with open(root / "truncated" / shardfiles.rank_file(1), "r+b") as handle:
             handle.truncate(200)
     barrier()
@@ -131,7 +135,10 @@ def bad_checkpoints_are_refused_and_change_nothing():
     shallower, shallower_opt = build(layers=1)
     messages["unexpected"] = _load_fails(shallower, shallower_opt, good,
                                          "unexpected in checkpoint: parameter 'layers.1.fc1.weight'")
-    messages["dtype"] = _load_fails(net, opt, root / "dtype", "dtype mismatch for parameter 'norm.gamma'")
+    messages["edited"] = _load_fails(net, opt, root / "edited", f"file {METADATA_FILE}: ",
+                                     "changed or damaged after the save")
+    messages["crafted"] = _load_fails(net, opt, root / "crafted", f"file {shardfiles.rank_file(0)}: holds "
+                                      "'model/norm.gamma' as float32", f"{METADATA_FILE} makes it float16")
     messages["no optimizer state"] = _load_fails(net, opt, root / "model_only",
                                                  "missing in checkpoint: optimizer state 'moment1.emb.embedding_table'")
     messages["truncated"] = _load_fails(net, opt, root / "truncated", shardfiles.rank_file(1))

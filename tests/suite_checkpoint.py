@@ -15,6 +15,7 @@ from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_state_dict,
@@ -28,6 +29,7 @@ from torch.utils._pytree import tree_map
 
 import fullshard.core.traffic as traffic_meter
 from fullshard import FSDPModule
+from fullshard.core.untrusted import CheckpointError
 from fullshard.torch.checkpoint import load_checkpoint, load_into, latest_step, save_atomic, step_dir
 from fullshard.models.gpt import GPT, GPTConfig
 from tests.parity import gpt_batch, gpt_loss, mesh_1d, shard_blocks_then_root
@@ -136,9 +138,9 @@ def train_state(model: torch.nn.Module, optim: torch.optim.Optimizer) -> dict:
     return {"model": model_sd, "optim": optim_sd}
 
 
-def load_training_state(model: torch.nn.Module, optim: torch.optim.Optimizer, path: Path) -> None:
+def load_training_state(model: torch.nn.Module, optim: torch.optim.Optimizer, path: Path, **options) -> None:
     state = train_state(model, optim)
-    load_checkpoint(state, path)
+    load_checkpoint(state, path, **options)
     set_state_dict(model, optim, model_state_dict=state["model"], optim_state_dict=state["optim"])
 
 
@@ -422,7 +424,11 @@ def interop_fullshard_to_torch_fsdp2():
 
 
 def interop_torch_fsdp2_to_fullshard():
-    """A checkpoint saved by torch's fully_shard loads into fullshard with identical state."""
+    """A checkpoint saved by torch's fully_shard with stock DCP loads into fullshard with identical state.
+
+    It has no fullshard manifest: the load refuses it, naming the fix, until
+    ``require_manifest=False`` says it is a stock checkpoint (every other check runs).
+    """
     model = torch_sharded(3)
     optim = adamw(model)
     # Non-trivial optimizer state without a torch-FSDP2 backward: synthetic sharded gradients.
@@ -432,16 +438,19 @@ def interop_torch_fsdp2_to_fullshard():
         param.grad = DTensor.from_local(local, param.device_mesh, param.placements, shape=param.shape, stride=param.stride())
     optim.step()
     optim.zero_grad()
-    save_atomic(train_state(model, optim), ckpt_root() / "torch_fsdp2", 1)
+    path = ckpt_root() / "torch_fsdp2"
+    dcp.save(train_state(model, optim), checkpoint_id=str(path))  # as a torch FSDP2 job saves
     write_expected(model, optim, "expected_torch_fsdp2.pt")
 
     ours = sharded(4)
     ours_optim = adamw(ours)
-    load_training_state(ours, ours_optim, step_dir(ckpt_root() / "torch_fsdp2", 1))
+    refused = raises(lambda: load_training_state(ours, ours_optim, path), CheckpointError,
+                     f"checkpoint {path}: has no fullshard.manifest.json", "pass require_manifest=False")
+    load_training_state(ours, ours_optim, path, require_manifest=False)
     assert_matches_expected(ours, ours_optim, "expected_torch_fsdp2.pt")
     assert_same(train_state(ours, ours_optim), train_state(model, optim))
     # ...and it trains on from there.
-    return train(ours, ours_optim, range(1))
+    return {"refused": refused.split(": ", 2)[1], "losses": train(ours, ours_optim, range(1))}
 
 
 # ---------------------------------------------------------------------- 6. checked loading

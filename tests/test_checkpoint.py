@@ -11,14 +11,19 @@ import signal
 import subprocess
 import sys
 import threading
+import warnings
 
 import pytest
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 
+from fullshard.core import manifest
+from fullshard.core.untrusted import CheckpointError
 from fullshard.torch.checkpoint import (
     export_full,
     latest_step,
+    load_checkpoint,
     load_full,
     load_into,
     read_metadata,
@@ -192,10 +197,16 @@ class _WritesFile:
         return (open, (self.path, "w"))
 
 
+def _resign(directory):
+    """Rewrite the manifest for the files as they are now: what a crafted (not merely damaged) checkpoint does."""
+    manifest.write(directory, "torch", manifest.read(directory).save_id)
+
+
 def test_crafted_metadata_is_refused(small_ckpt, tmp_path):
     marker = tmp_path / "ran"
     metadata_file = step_dir(small_ckpt, 1) / ".metadata"
     metadata_file.write_bytes(pickle.dumps(_WritesFile(marker)))
+    _resign(step_dir(small_ckpt, 1))  # else the manifest refuses it first
     for attempt in (
         lambda: read_metadata(step_dir(small_ckpt, 1)),
         lambda: load_into(_target(), small_ckpt, 1),
@@ -219,6 +230,80 @@ def test_crafted_value_is_refused(tmp_path):
     with pytest.raises(ValueError, match="checkpoint value 'extra' is not plain data"):
         load_full(step_dir(tmp_path / "ckpt", 1))
     assert not marker.exists(), "loading the checkpoint ran code from a stored value"
+
+
+# ---------------------------------------------------------------------- untrusted checkpoints
+def _metadata_of(directory):
+    with open(directory / ".metadata", "rb") as handle:
+        return pickle.load(handle)  # the test's own file: plain pickle is fine here
+
+
+def _write_metadata(directory, metadata, resign=True):
+    (directory / ".metadata").write_bytes(pickle.dumps(metadata))
+    if resign:
+        _resign(directory)
+
+
+def test_storage_paths_outside_the_checkpoint_are_refused(tmp_path):
+    """The issue's case: a .metadata whose relative_path leads to another checkpoint's data file."""
+    save_atomic(_small_state(), tmp_path / "a", 1)
+    other = _small_state()
+    other["model"]["w"] += 100
+    save_atomic(other, tmp_path / "b", 1)
+    victim = step_dir(tmp_path / "a", 1)
+    data_file = next(p.name for p in victim.iterdir() if p.suffix == ".distcp")
+    for hostile in (f"../../b/step_1/{data_file}", str(step_dir(tmp_path / "b", 1) / data_file)):
+        metadata = _metadata_of(victim)
+        for info in metadata.storage_data.values():
+            info.relative_path = hostile
+        _write_metadata(victim, metadata)
+        for attempt in (lambda: load_into(_target(), tmp_path / "a", 1), lambda: load_full(victim),
+                        lambda: export_full(victim, tmp_path / "out.pt")):
+            with pytest.raises(CheckpointError, match="is not a plain file name inside the checkpoint directory"):
+                attempt()
+    assert not (tmp_path / "out.pt").exists()
+
+
+def test_planner_paths_cannot_grow_a_list(tmp_path):
+    """The issue's case: an index near 10**12 in a key path; refused before any list is built."""
+    save_atomic(_small_state(), tmp_path, 1)
+    metadata = _metadata_of(step_dir(tmp_path, 1))
+    metadata.planner_data["step"] = ("step", 10**12)
+    _write_metadata(step_dir(tmp_path, 1), metadata)
+    with pytest.raises(CheckpointError, match=r"the key path of 'step' is \('step', 1000000000000\)"):
+        load_full(step_dir(tmp_path, 1))
+
+
+def test_a_flipped_byte_in_tensor_data_is_refused(small_ckpt):
+    """DCP has no checksums; the manifest's SHA-256 catches what would otherwise load as other weights."""
+    data_file = next(p for p in step_dir(small_ckpt, 1).iterdir() if p.suffix == ".distcp")
+    raw = bytearray(data_file.read_bytes())
+    raw[-100] ^= 0x10
+    data_file.write_bytes(bytes(raw))
+    state = _target()
+    with pytest.raises(CheckpointError, match=f"file {data_file.name}: does not match the SHA-256"):
+        load_into(state, small_ckpt, 1)
+    assert not state["model"]["w"].any()
+
+
+def test_a_stock_dcp_checkpoint_loads_only_when_asked(tmp_path):
+    """No manifest (saved by plain dcp.save, as FSDP2 jobs do): refused naming the fix, then loaded with
+    require_manifest=False, still under every structural check."""
+    path = tmp_path / "stock"
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*assuming the intent is to (load|save) in a single process")
+        dcp.save(_small_state(), checkpoint_id=str(path))
+        with pytest.raises(CheckpointError, match="has no fullshard.manifest.json: .* pass require_manifest=False"):
+            load_checkpoint(_target(), path)
+        state = _target()
+        load_checkpoint(state, path, require_manifest=False)
+        assert_same(state, _small_state())
+        assert_same(load_full(path, require_manifest=False), _small_state())
+        metadata = _metadata_of(path)
+        next(iter(metadata.storage_data.values())).offset = 10**12
+        _write_metadata(path, metadata, resign=False)
+        with pytest.raises(CheckpointError, match="not inside the file"):
+            load_checkpoint(_target(), path, require_manifest=False)
 
 
 # ---------------------------------------------------------------------- atomic saves

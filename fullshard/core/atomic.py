@@ -1,46 +1,43 @@
-"""Checkpoint directories that appear complete or not at all: the rename protocol both runtimes use.
+"""Checkpoint directories that are always found complete: the rename protocol both runtimes use.
 
-A checkpoint ``<root>/step_<N>`` is written as ``step_<N>.partial`` and
-renamed only when every rank has finished. A save cut short leaves a
-``.partial`` directory that :func:`latest_step` never takes, so the last
-complete checkpoint stays the one a resume finds.
+A checkpoint ``<root>/step_<N>`` is written as ``step_<N>.partial``; once
+every rank has finished, the manifest (:mod:`fullshard.core.manifest`) is
+written into it and :func:`publish` renames it into place. A directory
+cannot be renamed over a non-empty one, so publishing over an older
+checkpoint takes steps, and at every instant one of these holds:
+
+- ``step_<N>`` is a complete checkpoint (the old one or the new one), or
+- ``step_<N>`` is absent and a complete one is beside it: the new one as a
+  ``.partial`` whose manifest verifies, or the old one as ``.replaced``.
+
+:func:`resolve` (used by every loader, ``export`` and ``--resume``) and
+:func:`latest_step` apply that rule, so a crash anywhere in a save leaves a
+checkpoint that loads; :func:`resolve` warns when it takes the one beside.
+A save cut short before its manifest leaves a ``.partial`` that is never
+taken and that the next save of that step removes.
 """
 from __future__ import annotations
 
 import os
 import re
 import shutil
+import warnings
 from pathlib import Path
 from typing import Optional, Union
 
-_COMPLETE = re.compile(r"^step_(\d+)$")
+from fullshard.core import manifest
+from fullshard.core.durable import fsync_dir
+from fullshard.core.untrusted import CheckpointError
+
+_STEP = re.compile(r"^step_(\d+)(\.partial|\.replaced)?$")
+
+
+class RecoveredCheckpointWarning(UserWarning):
+    """A checkpoint was missing at its path and the complete copy an interrupted save left beside it was used."""
 
 
 def step_dir(root: Union[str, Path], step: int) -> Path:
     return Path(root) / f"step_{step}"
-
-
-def latest_step(root: Union[str, Path]) -> Optional[int]:
-    """The highest ``N`` with a complete ``step_<N>`` directory under ``root`` (None when there is none)."""
-    root = Path(root)
-    if not root.is_dir():
-        return None
-    steps = [int(m.group(1)) for p in root.iterdir() if (m := _COMPLETE.match(p.name)) and p.is_dir()]
-    return max(steps, default=None)
-
-
-def fsync_dir(path: Path) -> None:
-    """Make a rename in ``path`` durable (POSIX); a no-op where directories cannot be opened."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
 
 
 def partial_dir(final: Union[str, Path]) -> Path:
@@ -48,8 +45,66 @@ def partial_dir(final: Union[str, Path]) -> Path:
     return final.with_name(final.name + ".partial")
 
 
+def replaced_dir(final: Union[str, Path]) -> Path:
+    final = Path(final)
+    return final.with_name(final.name + ".replaced")
+
+
+def _beside(final: Path) -> Optional[Path]:
+    """The complete copy a save interrupted while publishing left beside ``final`` (None if there is none)."""
+    for candidate in (partial_dir(final), replaced_dir(final)):  # the new save first, then the old one
+        if candidate.is_dir() and manifest.present(candidate):
+            try:
+                manifest.verify(candidate)
+            except CheckpointError:
+                continue
+            return candidate
+    return None
+
+
+def resolve(final: Union[str, Path]) -> Path:
+    """The directory to load checkpoint ``final`` from: ``final`` itself, or the complete copy beside it.
+
+    Warns (:class:`RecoveredCheckpointWarning`, naming both paths) when
+    ``final`` is missing and a copy is used. When there is none, returns
+    ``final``: the caller reports it missing.
+    """
+    final = Path(final)
+    if os.path.lexists(final):
+        return final
+    found = _beside(final)
+    if found is None:
+        return final
+    warnings.warn(RecoveredCheckpointWarning(
+        f"checkpoint {final} is missing: a save was interrupted while it replaced it; using the complete "
+        f"checkpoint {found} it left beside it"), stacklevel=2)
+    return found
+
+
+def latest_step(root: Union[str, Path]) -> Optional[int]:
+    """The highest ``N`` whose checkpoint ``step_<N>`` under ``root`` :func:`resolve` finds complete."""
+    root = Path(root)
+    if not root.is_dir():
+        return None
+    steps = set()
+    for path in root.iterdir():
+        match = _STEP.match(path.name)
+        if match is None or not path.is_dir():
+            continue
+        step = int(match.group(1))
+        if match.group(2) is None or (step not in steps and not step_dir(root, step).exists()
+                                      and _beside(step_dir(root, step)) is not None):
+            steps.add(step)
+    return max(steps, default=None)
+
+
 def start_partial(final: Union[str, Path]) -> Path:
-    """An empty ``<final>.partial`` directory (what an interrupted save left there is removed). One rank calls it."""
+    """An empty ``<final>.partial`` directory (what an interrupted save left there is removed). One rank calls it.
+
+    A checkpoint published before stays complete at ``final`` or as ``.replaced`` until :func:`publish`
+    has put the new one in place; a complete ``.partial`` removed here is one whose save never
+    finished publishing, which this save replaces.
+    """
     partial = partial_dir(final)
     shutil.rmtree(partial, ignore_errors=True)
     partial.mkdir(parents=True)
@@ -57,27 +112,25 @@ def start_partial(final: Union[str, Path]) -> Path:
 
 
 def publish(final: Union[str, Path]) -> Path:
-    """Rename the complete ``<final>.partial`` to ``final``; one rank calls it, after every rank wrote.
+    """Rename the complete ``<final>.partial`` (its manifest written) to ``final``; one rank calls it.
 
-    A directory cannot be renamed over a non-empty one, so an older ``final``
-    is moved aside first: until the new one is in place the old one still
-    exists under some name, and ``final`` never holds a mix of both.
+    The steps, and what a crash after each leaves (see the module doc):
+    1. remove a ``.replaced`` left by an earlier crash (``final`` is complete);
+    2. rename the old ``final`` to ``.replaced`` (now ``final`` is absent: the
+       ``.partial`` is complete and verified, ``.replaced`` is complete);
+    3. rename the ``.partial`` to ``final`` and fsync the parent directory;
+    4. remove ``.replaced``.
     """
     final = Path(final)
-    partial = partial_dir(final)
-    replaced = final.with_name(final.name + ".replaced")
-    if final.exists():
-        shutil.rmtree(replaced, ignore_errors=True)
+    partial, replaced = partial_dir(final), replaced_dir(final)
+    if not (partial / manifest.MANIFEST_FILE).is_file():
+        raise RuntimeError(f"publish: {partial} has no {manifest.MANIFEST_FILE}; write it once every rank finished")
+    if os.path.lexists(final):
+        if os.path.lexists(replaced):
+            shutil.rmtree(replaced)
         os.replace(final, replaced)
     os.replace(partial, final)
     fsync_dir(final.parent)
-    shutil.rmtree(replaced, ignore_errors=True)
+    if os.path.lexists(replaced):
+        shutil.rmtree(replaced)
     return final
-
-
-def write_file_durably(path: Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` and fsync it (the rename that publishes it comes later)."""
-    with open(path, "wb") as handle:
-        handle.write(data)
-        handle.flush()
-        os.fsync(handle.fileno())

@@ -8,6 +8,10 @@ its pid (and rank) in the run directory, which is how a failure msrun reports
 by pid is turned into the rank that failed. msrun would wait for its
 scheduler's heartbeat timeout (about 30 s) before stopping the others; the
 watcher stops them all as soon as msrun reports the first failed worker.
+
+On several nodes each node runs :func:`launch` with its ``node_rank``;
+msrun numbers the ranks ``node_rank * nproc + i`` and node 0 (at
+``master_addr``) runs the scheduler.
 """
 from __future__ import annotations
 
@@ -21,9 +25,10 @@ import time
 from pathlib import Path
 from typing import Callable, Optional
 
-from fullshard.core.procs import free_port
+from fullshard.core.procs import descendants, free_port
 
 RUN_DIR_ENV = "FULLSHARD_MSRUN_DIR"
+NODE_RANK_ENV = "FULLSHARD_NODE_RANK"
 _FAILED = re.compile(r"Worker process (\d+) exit with exception\. Error code: (-?\d+)")
 # MindSpore's own log lines, and one harmless error every CPU worker prints at exit.
 NOISE = re.compile(r"^\[(WARNING|INFO)\]|CPU device is not supported|^\s*$")
@@ -76,29 +81,51 @@ def _ranks_by_pid(directory: Path) -> dict[int, int]:
 
 
 def _stop(proc: subprocess.Popen) -> None:
+    """Kill msrun, its scheduler and every worker: the workers run in sessions of their own (msrun
+    starts them with setsid), out of reach of msrun's process group, so they are found by parent."""
+    below = descendants(proc.pid)
     try:
-        os.killpg(proc.pid, signal.SIGKILL)  # msrun, its scheduler and every worker
+        os.killpg(proc.pid, signal.SIGKILL)
     except ProcessLookupError:
         pass
+    for pid in below:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
     proc.wait()
+
+
+def _stub(module: str) -> str:
+    """The script msrun runs: it runs ``module``; on a node other than node 0 a scheduler steps aside.
+
+    msrun starts a scheduler on every node that finds --master_addr among its own addresses: on
+    real machines only node 0, on one host every node. Only node 0's may serve; another would
+    fail to bind the port and fail its msrun at the end, after training succeeded.
+    """
+    return (f"import os, runpy, sys\n"
+            f"if os.environ.get('MS_ROLE') == 'MS_SCHED' and os.environ.get({NODE_RANK_ENV!r}, '0') != '0':\n"
+            f"    sys.exit(0)\n"
+            f"sys.argv[0] = {module!r}\nrunpy.run_module({module!r}, run_name='__main__', alter_sys=True)\n")
 
 
 def launch(module: str, args: list[str], nproc: int, directory: Path, *, timeout: Optional[float] = None,
            env: Optional[dict] = None, follow: Optional[Callable[[str], None]] = None,
-           follow_file: str = "progress.log") -> None:
-    """Run ``python -m module *args`` on ``nproc`` msrun workers; return when all finished.
+           follow_file: str = "progress.log", nnodes: int = 1, node_rank: int = 0, master_addr: str = "127.0.0.1",
+           master_port: Optional[int] = None) -> None:
+    """Run ``python -m module *args`` on ``nproc`` msrun workers (this node's); return when all finished.
 
     ``directory`` (created) holds the stub, msrun's output, the workers' logs
     (``logs/worker_<r>.log``) and whatever the workers write there
     (:func:`run_dir`). Lines appended to ``directory/follow_file`` are passed
-    to ``follow`` as they come. Raises :class:`WorkerFailed` naming the first
-    rank that failed, or ``TimeoutError``.
+    to ``follow`` as they come. With ``nnodes`` > 1, this is node ``node_rank``
+    of a run whose node 0 is at ``master_addr:master_port``. Raises
+    :class:`WorkerFailed` naming the first rank that failed, or ``TimeoutError``.
     """
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     stub = directory / "msrun_entry.py"
-    stub.write_text(f"import runpy, sys\nsys.argv[0] = {module!r}\nrunpy.run_module({module!r}, run_name='__main__', "
-                    "alter_sys=True)\n")
+    stub.write_text(_stub(module))
     log_dir = directory / "logs"
     proc_env = dict(os.environ)
     proc_env.update(env or {})
@@ -106,10 +133,13 @@ def launch(module: str, args: list[str], nproc: int, directory: Path, *, timeout
         PATH=f"{Path(sys.executable).parent}{os.pathsep}{proc_env.get('PATH', '')}",
         PYTHONPATH=f"{_PACKAGE_ROOT}{os.pathsep}{proc_env.get('PYTHONPATH', '')}",
         GLOG_v=proc_env.get("GLOG_v", "3"), OMP_NUM_THREADS=proc_env.get("OMP_NUM_THREADS", "1"),
-        **{RUN_DIR_ENV: str(directory)},
+        **{RUN_DIR_ENV: str(directory), NODE_RANK_ENV: str(node_rank)},
     )
-    command = ["msrun", f"--worker_num={nproc}", f"--local_worker_num={nproc}", f"--master_port={free_port()}",
-               f"--log_dir={log_dir}", "--join=True", str(stub), *args]
+    command = ["msrun", f"--worker_num={nproc * nnodes}", f"--local_worker_num={nproc}",
+               f"--master_port={master_port or free_port()}", f"--log_dir={log_dir}", "--join=True"]
+    if nnodes > 1:
+        command += [f"--master_addr={master_addr}", f"--node_rank={node_rank}"]
+    command += [str(stub), *args]
     launcher_log = directory / "msrun.txt"
     followed = directory / follow_file
     # msrun runs in a session of its own (so that it and its workers can be stopped together): a signal

@@ -11,29 +11,44 @@ A checkpoint directory holds
   the entries kept whole (replicated parameters, step counters). The file's
   ``__metadata__["slices"]`` says, per entry, ``[dim, offset, length]``
   (``dim`` null for a whole one);
-- ``fullshard.json``, written last: the format, the world size, and per entry
-  its global shape, dtype and the dim it was cut along.
+- ``fullshard.json``: the format, the world size, the save's id, the rank
+  files, and per entry its global shape, dtype and the dim it was cut along;
+- ``fullshard.manifest.json``, written last (:mod:`fullshard.core.manifest`):
+  the size and SHA-256 of each of the others.
 
 Entry keys are ``model/<parameter name>`` and ``optim/<state name>``. Nothing
-is unpickled: loading parses JSON and copies bytes.
+is unpickled: loading parses JSON (canonical, :mod:`fullshard.core.canonical_json`)
+and copies bytes. Opening a checkpoint verifies the manifest, then checks
+every field of ``fullshard.json`` and of every rank file's header and slices
+against each other (the pieces of each entry must tile its shape), before a
+single tensor is read; anything wrong is a
+:class:`~fullshard.core.untrusted.CheckpointError` naming the file.
 """
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Optional, Union
+from typing import Any, Iterable, Optional, Union
 
 import numpy as np
 
-from fullshard.core.atomic import fsync_dir, write_file_durably
-from fullshard.core.tensorfile import Array, TensorFile, TensorFileError, save_file
+from fullshard.core import canonical_json, manifest
+from fullshard.core.atomic import resolve
+from fullshard.core.durable import fsync_dir, write_file_durably
+from fullshard.core.layout_checks import check_shape, check_tiling
+from fullshard.core.tensorfile import CODES, HOLDERS, Array, TensorFile, save_file
+from fullshard.core.untrusted import CheckpointError, is_int, read_whole, show
 
 FORMAT = "fullshard-sharded-safetensors"
-VERSION = 1
+VERSION = 2
+FRAMEWORK = "mindspore"
 METADATA_FILE = "fullshard.json"
 MODEL, OPTIM = "model", "optim"
+_KEYS = {"entries", "files", "format", "framework", "save_id", "version", "world_size"}
+_MAX_METADATA_BYTES = 256 << 20
+_MAX_WORLD_SIZE = 1 << 16
+_MAX_NAME = 4096
 # At most this many problems are spelled out in one mismatch error.
 _MAX_REPORTED = 20
 
@@ -76,16 +91,15 @@ def write_rank(directory: Path, rank: int, pieces: Iterable[Piece]) -> None:
             continue  # an empty chunk adds nothing
         tensors[piece.key] = piece.data
         slices[piece.key] = [piece.dim, piece.offset, piece.length]
-    save_file(tensors, Path(directory) / rank_file(rank), {"slices": json.dumps(slices)})
+    save_file(tensors, Path(directory) / rank_file(rank), {"slices": canonical_json.dumps(slices).decode()})
 
 
-def write_metadata(directory: Path, world_size: int, framework: str, pieces: Iterable[Piece],
-                   extra: Optional[dict] = None) -> None:
-    """``fullshard.json``, by one rank, after every rank wrote its file: the checkpoint is then complete."""
+def write_metadata(directory: Path, world_size: int, pieces: Iterable[Piece], save_id: str) -> None:
+    """``fullshard.json``, by one rank, after every rank wrote its file (the manifest comes after it)."""
     entries = {p.key: {"shape": list(p.shape), "dtype": p.dtype, "dim": p.dim} for p in pieces}
-    document = {"format": FORMAT, "version": VERSION, "framework": framework, "world_size": world_size,
-                "files": [rank_file(r) for r in range(world_size)], "entries": entries, **(extra or {})}
-    write_file_durably(Path(directory) / METADATA_FILE, json.dumps(document, indent=1).encode())
+    document = {"format": FORMAT, "version": VERSION, "framework": FRAMEWORK, "world_size": world_size,
+                "save_id": save_id, "files": [rank_file(r) for r in range(world_size)], "entries": entries}
+    write_file_durably(Path(directory) / METADATA_FILE, canonical_json.dumps(document))
     fsync_dir(Path(directory))
 
 
@@ -101,40 +115,130 @@ class Entry:
 
 
 class ShardedCheckpoint:
-    """A checkpoint directory, its metadata read and checked; pieces are read on demand."""
+    """A checkpoint directory, verified and every field of it checked; tensors are read on demand.
+
+    ``path`` is resolved as every loader resolves it (:func:`fullshard.core.atomic.resolve`).
+    """
 
     def __init__(self, path: Union[str, Path]) -> None:
-        self.path = Path(path)
-        meta_path = self.path / METADATA_FILE
-        if not meta_path.is_file():
-            raise FileNotFoundError(f"{self.path} is not a complete fullshard checkpoint (no {METADATA_FILE})")
-        try:
-            document = json.loads(meta_path.read_text())
-        except (UnicodeDecodeError, json.JSONDecodeError) as error:
-            raise ValueError(f"checkpoint {self.path}: {METADATA_FILE} is not JSON ({error})") from None
-        if not isinstance(document, dict) or document.get("format") != FORMAT:
-            raise ValueError(f"checkpoint {self.path}: {METADATA_FILE} is not a {FORMAT} document")
-        if document.get("version") != VERSION:
-            raise ValueError(f"checkpoint {self.path}: format version {document.get('version')!r}, "
-                             f"this fullshard reads version {VERSION}")
-        self.metadata = document
-        self.world_size = int(document["world_size"])
-        self.entries: dict[str, Entry] = {}
-        for name, entry in document.get("entries", {}).items():
-            shape, dim = tuple(entry["shape"]), entry["dim"]
-            if not all(isinstance(s, int) and s >= 0 for s in shape) or not (
-                    dim is None or (isinstance(dim, int) and 0 <= dim < len(shape))):
-                raise ValueError(f"checkpoint {self.path}: entry '{name}' has shape {shape} and dim {dim}")
-            self.entries[name] = Entry(shape, str(entry["dtype"]), dim)
-        self._files: Optional[list[tuple[TensorFile, dict]]] = None
+        self.path = resolve(path)
+        if not self.path.is_dir():
+            raise CheckpointError.at(self.path, "does not exist (no checkpoint directory there)")
+        self.manifest = manifest.verify(self.path, FRAMEWORK)
+        document = canonical_json.loads(read_whole(self.path, METADATA_FILE, self.path, _MAX_METADATA_BYTES),
+                                        self.path, METADATA_FILE)
+        self.world_size, self.entries = self._check_document(document)
+        self._files = [self._open_rank(rank) for rank in range(self.world_size)]
+        self._whole: dict[str, TensorFile] = {}
+        self._pieces: dict[str, list[tuple[int, int, TensorFile]]] = {}
+        self._check_pieces()
+
+    def _bad(self, problem: str, file: str = METADATA_FILE) -> CheckpointError:
+        return CheckpointError.at(self.path, problem, file)
+
+    # ------------------------------------------------------------------ checking what the files say
+    def _check_document(self, document: Any) -> tuple[int, dict[str, Entry]]:
+        if not isinstance(document, dict) or set(document) != _KEYS:
+            keys = sorted(document) if isinstance(document, dict) else type(document).__name__
+            raise self._bad(f"is not a {FORMAT} document (keys {show(keys)}, expected {sorted(_KEYS)})")
+        if document["format"] != FORMAT or not is_int(document["version"]) or document["version"] != VERSION:
+            raise self._bad(f"format {show(document['format'])} version {show(document['version'])}; this "
+                            f"fullshard reads {FORMAT} version {VERSION}")
+        if document["framework"] != FRAMEWORK:
+            raise self._bad(f"framework {show(document['framework'])}, expected {FRAMEWORK!r}")
+        if document["save_id"] != self.manifest.save_id:
+            raise self._bad(f"save_id {show(document['save_id'])} is not the manifest's "
+                            f"{self.manifest.save_id!r}: the files come from different saves")
+        world = document["world_size"]
+        if not is_int(world) or not 1 <= world <= _MAX_WORLD_SIZE:
+            raise self._bad(f"world_size {show(world)} is not a number of ranks")
+        if document["files"] != [rank_file(r) for r in range(world)]:
+            raise self._bad(f"files {show(document['files'])} are not exactly rank_<r>.safetensors for each of "
+                            f"the {world} ranks")
+        entries = document["entries"]
+        if not isinstance(entries, dict):
+            raise self._bad(f"entries {show(entries)} is not an object")
+        return world, {name: self._check_entry(name, entry) for name, entry in entries.items()}
+
+    def _check_entry(self, name: str, entry: Any) -> Entry:
+        section, _, rest = name.partition("/")
+        if section not in (MODEL, OPTIM) or not rest or len(name) > _MAX_NAME:
+            raise self._bad(f"entry {show(name)} is not named model/<parameter> or optim/<state>")
+        if not isinstance(entry, dict) or set(entry) != {"dim", "dtype", "shape"}:
+            raise self._bad(f"entry '{name}' must hold exactly dim, dtype and shape, not {show(entry)}")
+        shape = check_shape(entry["shape"], self.path, f"{METADATA_FILE}: entry '{name}'")
+        dtype, dim = entry["dtype"], entry["dim"]
+        if not isinstance(dtype, str) or dtype not in CODES:
+            raise self._bad(f"entry '{name}' has dtype {show(dtype)}, not one of {', '.join(CODES)}")
+        if dim is not None and not (is_int(dim) and 0 <= dim < len(shape)):
+            raise self._bad(f"entry '{name}' is cut along dim {show(dim)}, not a dim of its shape {list(shape)}")
+        return Entry(shape, dtype, dim)
+
+    def _open_rank(self, rank: int) -> tuple[TensorFile, dict]:
+        name = rank_file(rank)
+        handle = TensorFile(self.path / name, self.path)
+        if set(handle.metadata) != {"slices"}:
+            raise self._bad(f"has __metadata__ keys {show(sorted(handle.metadata))}, expected ['slices']", name)
+        slices = canonical_json.loads(handle.metadata["slices"].encode("utf-8", "replace"), self.path,
+                                      f"{name} (its slices)")
+        if not isinstance(slices, dict) or set(slices) != set(handle.names()):
+            raise self._bad("its slices do not name exactly the tensors it holds", name)
+        return handle, slices
+
+    def _check_pieces(self) -> None:
+        """Every tensor of every rank file is a slice of its entry, and each entry's slices tile it."""
+        cuts: dict[str, set[tuple[int, int, int]]] = {name: set() for name in self.entries}
+        for rank, (handle, slices) in enumerate(self._files):
+            for name, where in slices.items():
+                entry = self.entries.get(name)
+                if entry is None:
+                    raise self._bad(f"holds {show(name)}, which {METADATA_FILE} does not list", handle.path.name)
+                if not (isinstance(where, list) and len(where) == 3 and (where[0] is None or is_int(where[0]))
+                        and is_int(where[1]) and is_int(where[2])):
+                    raise self._bad(f"the slice of '{name}' is {show(where)}, not [dim, offset, length]",
+                                    handle.path.name)
+                dim, offset, length = where
+                self._check_piece(name, entry, rank, handle, dim, offset, length)
+                if dim is None:
+                    self._whole[name] = handle
+                else:
+                    cuts[name].add((offset, length, rank))
+        for name, entry in self.entries.items():
+            if entry.dim is None:
+                if name not in self._whole:
+                    raise self._bad(f"entry '{name}' is held whole by no rank file ({rank_file(0)} should)")
+                continue
+            distinct = {(offset, length): rank for offset, length, rank in sorted(cuts[name])}  # replicas once
+            chunks = [(_along(entry, offset), _sizes(entry, length)) for offset, length in distinct]
+            check_tiling(entry.shape, chunks, self.path, f"entry '{name}' (its slices in the rank files)")
+            self._pieces[name] = [(offset, length, self._files[rank][0])
+                                  for (offset, length), rank in sorted(distinct.items())]
+
+    def _check_piece(self, name: str, entry: Entry, rank: int, handle: TensorFile, dim, offset, length) -> None:
+        file = handle.path.name
+        if dim != entry.dim:
+            raise self._bad(f"holds '{name}' cut along {show(dim)}, {METADATA_FILE} says {entry.dim}", file)
+        if dim is None:
+            if rank != 0 or offset != 0 or length != 0:
+                raise self._bad(f"holds the whole entry '{name}' as [null, {offset}, {length}]; only "
+                                f"{rank_file(0)} holds whole entries, as [null, 0, 0]", file)
+            expected = entry.shape
+        else:
+            if not (0 <= offset and 0 < length and offset + length <= entry.shape[dim]):
+                raise self._bad(f"holds rows {offset}+{length} of '{name}' along dim {dim}, outside its shape "
+                                f"{list(entry.shape)}", file)
+            expected = entry.shape[:dim] + (length,) + entry.shape[dim + 1:]
+        if handle.shape(name) != expected or handle.dtype(name) != entry.dtype:
+            raise self._bad(f"holds '{name}' as {handle.dtype(name)} {list(handle.shape(name))}, {METADATA_FILE} "
+                            f"makes it {entry.dtype} {list(expected)}", file)
 
     def names(self, section: str) -> list[str]:
         prefix = f"{section}/"
         return sorted(k[len(prefix):] for k in self.entries if k.startswith(prefix))
 
-    # ------------------------------------------------------------------ checking
+    # ------------------------------------------------------------------ checking against a model
     def check(self, wanted: dict[str, tuple[tuple[int, ...], str]], sections: Iterable[str], what: str) -> None:
-        """Raise ``ValueError`` unless the entries of ``sections`` are exactly ``wanted`` (key -> global shape,
+        """Raise CheckpointError unless the entries of ``sections`` are exactly ``wanted`` (key -> global shape,
         dtype), naming every missing, unexpected or different entry."""
         problems = []
         for name, (shape, dtype) in wanted.items():
@@ -155,60 +259,18 @@ class ShardedCheckpoint:
             shown = problems[:_MAX_REPORTED]
             if len(problems) > _MAX_REPORTED:
                 shown.append(f"... and {len(problems) - _MAX_REPORTED} more")
-            raise ValueError(f"checkpoint {self.path} does not match the {what} to load into (nothing was "
-                             "loaded):\n  " + "\n  ".join(shown))
+            raise CheckpointError(f"checkpoint {self.path} does not match the {what} to load into (nothing was "
+                                  "loaded):\n  " + "\n  ".join(shown), str(self.path))
 
     # ------------------------------------------------------------------ reading
-    def _rank_files(self) -> list[tuple[TensorFile, dict]]:
-        if self._files is None:
-            files = []
-            for name in self.metadata.get("files", []):
-                path = self.path / name
-                if not path.is_file():
-                    raise ValueError(f"checkpoint {self.path}: {name} is missing")
-                handle = TensorFile(path)
-                try:
-                    slices = json.loads(handle.metadata.get("slices", "{}"))
-                except json.JSONDecodeError:
-                    raise TensorFileError(f"{path}: its slices metadata is not JSON") from None
-                files.append((handle, slices))
-            self._files = files
-        return self._files
-
     def full(self, name: str) -> Array:
         """The whole tensor of entry ``name``, put together from the ranks' pieces."""
         entry = self.entries[name]
-        pieces = []
-        for handle, slices in self._rank_files():
-            if name not in slices:
-                continue
-            dim, offset, length = slices[name]
-            if dim != entry.dim:
-                raise ValueError(f"checkpoint {self.path}: {handle.path.name} holds '{name}' cut along {dim}, "
-                                 f"the metadata says {entry.dim}")
-            want = entry.shape if dim is None else entry.shape[:dim] + (length,) + entry.shape[dim + 1:]
-            if name not in handle or handle.shape(name) != want or handle.dtype(name) != entry.dtype:
-                raise ValueError(f"checkpoint {self.path}: {handle.path.name} holds '{name}' as "
-                                 f"{handle.dtype(name) if name in handle else 'nothing'} "
-                                 f"{handle.shape(name) if name in handle else ''}, expected {entry.dtype} {want}")
-            if dim is None:
-                return handle.read(name)
-            pieces.append((offset, length, handle))
-        if entry.dim is None or (not pieces and entry.shape[entry.dim] != 0):
-            raise ValueError(f"checkpoint {self.path}: no rank file holds '{name}'")
-        parts, covered = [], 0
-        for offset, length, handle in sorted(pieces, key=lambda p: p[0]):
-            if offset < covered:
-                continue  # the same slice from another replica
-            if offset != covered:
-                break
-            parts.append(handle.read(name).data)
-            covered += length
-        if covered != entry.shape[entry.dim]:
-            raise ValueError(f"checkpoint {self.path}: the pieces of '{name}' cover {covered} of "
-                             f"{entry.shape[entry.dim]} along dim {entry.dim}")
+        if entry.dim is None:
+            return self._whole[name].read(name)
+        parts = [handle.read(name).data for _, _, handle in self._pieces[name]]
         if not parts:
-            return Array(np.zeros(entry.shape, _holder(entry.dtype)), entry.dtype)
+            return Array(np.zeros(entry.shape, HOLDERS[entry.dtype]), entry.dtype)
         return Array(np.concatenate(parts, axis=entry.dim), entry.dtype)
 
     def read(self, name: str, dim: Optional[int], offset: int, length: int) -> Array:
@@ -221,10 +283,12 @@ class ShardedCheckpoint:
         return Array(np.ascontiguousarray(whole.data[tuple(index)]), whole.dtype)
 
 
-def _holder(dtype: str):
-    from fullshard.core.tensorfile import HOLDERS
+def _along(entry: Entry, offset: int) -> tuple[int, ...]:
+    return tuple(offset if d == entry.dim else 0 for d in range(len(entry.shape)))
 
-    return HOLDERS[dtype]
+
+def _sizes(entry: Entry, length: int) -> tuple[int, ...]:
+    return entry.shape[:entry.dim] + (length,) + entry.shape[entry.dim + 1:]
 
 
 def _describe(name: str) -> str:
@@ -235,7 +299,8 @@ def _describe(name: str) -> str:
 def export_full(path: Union[str, Path], out_file: Union[str, Path]) -> Path:
     """Write the model of checkpoint ``path`` as one full ``.safetensors`` file under the parameter names.
 
-    One process, no framework, no process group. The file appears atomically.
+    One process, no framework, no process group. The whole checkpoint is
+    checked before anything is written; the file appears atomically.
     """
     out = Path(out_file)
     if out.suffix.lower() != ".safetensors":

@@ -4,16 +4,17 @@ The format: 8 bytes (little-endian length of the header), a JSON header
 ``{name: {"dtype", "shape", "data_offsets": [begin, end]}, "__metadata__": {str: str}}``
 and the raw little-endian data. Reading parses JSON and copies bytes: nothing
 in a file can run code. Every header entry is checked against the file
-(known dtype, whole shape, offsets inside the data and of the right length)
-before any data is read, and a file that breaks a rule is refused with the
-entry it broke it in.
+(known dtype, whole shape, offsets inside the data and of the right length,
+the data filled exactly) before any data is read, and a file that breaks a
+rule is refused (:class:`TensorFileError`, a
+:class:`~fullshard.core.untrusted.CheckpointError`) with the entry it broke
+it in. The header is canonical JSON, so no byte of it can change unnoticed.
 
 numpy has no bfloat16: such tensors go in and come out as ``uint16`` arrays
 of their bits, with ``dtype="bfloat16"`` named alongside (see :class:`Array`).
 """
 from __future__ import annotations
 
-import json
 import os
 import struct
 from dataclasses import dataclass
@@ -22,6 +23,10 @@ from pathlib import Path
 from typing import Optional, Union
 
 import numpy as np
+
+from fullshard.core import canonical_json
+from fullshard.core.layout_checks import check_shape
+from fullshard.core.untrusted import CheckpointError, is_int, open_regular, show
 
 # safetensors' dtype codes, by the names fullshard's planning code uses.
 CODES = {
@@ -37,8 +42,8 @@ HOLDERS = {
 _MAX_HEADER = 100 << 20
 
 
-class TensorFileError(ValueError):
-    """A file that is not a well-formed safetensors file (named, with what is wrong)."""
+class TensorFileError(CheckpointError):
+    """A file that is not a well-formed safetensors file as fullshard writes it (named, with what is wrong)."""
 
 
 @dataclass(frozen=True)
@@ -69,7 +74,7 @@ def save_file(tensors: dict[str, Array], path: Union[str, Path], metadata: Optio
         header[name] = {"dtype": CODES[array.dtype], "shape": list(data.shape), "data_offsets": [offset, offset + len(blob)]}
         blobs.append(blob)
         offset += len(blob)
-    encoded = json.dumps(header, separators=(",", ":")).encode()
+    encoded = canonical_json.dumps(header)
     encoded += b" " * (-len(encoded) % 8)  # the data starts 8-byte aligned
     with open(path, "wb") as handle:
         handle.write(struct.pack("<Q", len(encoded)))
@@ -89,52 +94,72 @@ class _Entry:
 
 
 class TensorFile:
-    """One safetensors file, its header checked; tensors are read one at a time."""
+    """One safetensors file written by fullshard, its header checked; tensors are read one at a time.
 
-    def __init__(self, path: Union[str, Path]) -> None:
+    The header must be canonical JSON (:mod:`fullshard.core.canonical_json`)
+    padded with at most 7 spaces to 8 bytes, as :func:`save_file` writes it,
+    and its tensors' data must fill the rest of the file exactly, in order,
+    without gaps or overlaps.
+    """
+
+    def __init__(self, path: Union[str, Path], checkpoint: Optional[Union[str, Path]] = None) -> None:
         self.path = Path(path)
-        size = self.path.stat().st_size
-        with open(self.path, "rb") as handle:
+        self._checkpoint = checkpoint or self.path.parent
+        with open_regular(self.path.parent, self.path.name, self._checkpoint) as handle:
+            size = os.fstat(handle.fileno()).st_size
             raw = handle.read(8)
             if len(raw) < 8:
-                raise TensorFileError(f"{self.path}: too short for a safetensors file ({size} bytes)")
+                raise self._error(f"is too short for a safetensors file ({size} bytes)")
             (length,) = struct.unpack("<Q", raw)
-            if length > min(_MAX_HEADER, size - 8):
-                raise TensorFileError(f"{self.path}: header length {length} does not fit the file ({size} bytes)")
-            try:
-                header = json.loads(handle.read(length))
-            except (UnicodeDecodeError, json.JSONDecodeError) as error:
-                raise TensorFileError(f"{self.path}: the header is not JSON ({error})") from None
+            if length > min(_MAX_HEADER, size - 8) or length % 8:
+                raise self._error(f"announces a header of {length} bytes, which does not fit the file ({size} bytes)")
+            encoded = handle.read(length)
+        text = encoded.rstrip(b" ")
+        if len(encoded) != length or len(encoded) - len(text) != -len(text) % 8:
+            raise self._error("has a header that is not padded as fullshard pads it")
+        header = canonical_json.loads(text, self._checkpoint, self.path.name)
         if not isinstance(header, dict):
-            raise TensorFileError(f"{self.path}: the header is not a JSON object")
+            raise self._error("has a header that is not a JSON object")
         self._data_start = 8 + length
-        data_size = size - self._data_start
-        metadata = header.pop("__metadata__", {}) or {}
+        metadata = header.pop("__metadata__", {})
         if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
-            raise TensorFileError(f"{self.path}: __metadata__ must map strings to strings")
+            raise self._error("has a __metadata__ that does not map strings to strings")
         self.metadata: dict[str, str] = metadata
-        self._entries: dict[str, _Entry] = {}
-        for name, entry in header.items():
-            self._entries[name] = self._check(name, entry, data_size)
+        data_size = size - self._data_start
+        self._entries = {name: self._check(name, entry, data_size) for name, entry in header.items()}
+        self._check_filled(data_size)
+
+    def _error(self, problem: str) -> TensorFileError:
+        return TensorFileError.at(self._checkpoint, problem, self.path.name)
 
     def _check(self, name: str, entry: object, data_size: int) -> _Entry:
-        where = f"{self.path}: tensor '{name}'"
-        if not isinstance(entry, dict):
-            raise TensorFileError(f"{where}: its entry is not an object")
-        code, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
-        if code not in NAMES:
-            raise TensorFileError(f"{where}: unknown dtype {code!r}")
-        if not isinstance(shape, list) or not all(isinstance(s, int) and s >= 0 for s in shape):
-            raise TensorFileError(f"{where}: shape {shape!r} is not a list of sizes")
-        if (not isinstance(offsets, list) or len(offsets) != 2 or not all(isinstance(o, int) for o in offsets)
+        where = f"tensor {show(name)}"
+        if not isinstance(entry, dict) or set(entry) != {"dtype", "shape", "data_offsets"}:
+            raise self._error(f"{where}: its entry must hold exactly dtype, shape and data_offsets, not {show(entry)}")
+        code, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
+        if not isinstance(code, str) or code not in NAMES:
+            raise self._error(f"{where}: unknown dtype {show(code)}")
+        shape = check_shape(shape, self._checkpoint, f"{self.path.name}: {where}")
+        if (not isinstance(offsets, list) or len(offsets) != 2 or not all(is_int(o) for o in offsets)
                 or not 0 <= offsets[0] <= offsets[1] <= data_size):
-            raise TensorFileError(f"{where}: data_offsets {offsets!r} are not inside the data ({data_size} bytes)")
+            raise self._error(f"{where}: data_offsets {show(offsets)} are not inside the data ({data_size} bytes)")
         dtype = NAMES[code]
         expected = prod(shape) * np.dtype(HOLDERS[dtype]).itemsize
         if offsets[1] - offsets[0] != expected:
-            raise TensorFileError(f"{where}: {offsets[1] - offsets[0]} bytes of data for shape {shape} {dtype} "
-                                  f"({expected} expected)")
-        return _Entry(dtype, tuple(shape), offsets[0], offsets[1])
+            raise self._error(f"{where}: {offsets[1] - offsets[0]} bytes of data for shape {list(shape)} {dtype} "
+                              f"({expected} expected)")
+        return _Entry(dtype, shape, offsets[0], offsets[1])
+
+    def _check_filled(self, data_size: int) -> None:
+        """The tensors' data lie one after the other and fill the data exactly (as the format requires)."""
+        end = 0
+        for name, entry in sorted(self._entries.items(), key=lambda item: (item[1].begin, item[1].end)):
+            if entry.begin != end:
+                raise self._error(f"tensor {show(name)} starts at byte {entry.begin} of the data, not at {end} "
+                                  "(a gap or an overlap)")
+            end = entry.end
+        if end != data_size:
+            raise self._error(f"its tensors hold {end} bytes of data, the file has {data_size}")
 
     def names(self) -> list[str]:
         return sorted(self._entries)
@@ -150,11 +175,11 @@ class TensorFile:
 
     def read(self, name: str) -> Array:
         entry = self._entries[name]
-        with open(self.path, "rb") as handle:
+        with open_regular(self.path.parent, self.path.name, self._checkpoint) as handle:
             handle.seek(self._data_start + entry.begin)
             raw = handle.read(entry.end - entry.begin)
         if len(raw) != entry.end - entry.begin:
-            raise TensorFileError(f"{self.path}: tensor '{name}' is cut short")
+            raise self._error(f"tensor {show(name)} is cut short")
         holder = np.dtype(HOLDERS[entry.dtype]).newbyteorder("<")
         data = np.frombuffer(raw, dtype=holder).reshape(entry.shape).astype(HOLDERS[entry.dtype], copy=False)
         return Array(data.copy() if not data.flags.writeable else data, entry.dtype)

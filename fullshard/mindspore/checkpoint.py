@@ -9,16 +9,21 @@ learning rate). The format is :mod:`fullshard.core.shardfiles`: safetensors
 files and JSON, nothing a load unpickles. The directory appears complete or
 not at all (:mod:`fullshard.core.atomic`): every rank writes into
 ``<path>.partial``, all ranks agree that every file is complete, and only
-then rank 0 writes the metadata and renames the directory.
+then rank 0 writes the metadata and the manifest (the size and SHA-256 of
+every file, :mod:`fullshard.core.manifest`) and renames the directory.
 
 ``load_checkpoint(cell, path, optimizer)`` fills a cell sharded at any world
 size, mesh and placement (or not sharded at all): each rank reads the pieces
-its own chunks need. It first checks every name, global shape and dtype and
-reads every value, and only then writes anything, so a checkpoint that does
-not fit leaves the cell and the optimizer as they were.
+its own chunks need. It first verifies the manifest and checks every field
+of the checkpoint, then every name, global shape and dtype against the cell,
+and reads every value; only then does it write anything, so a checkpoint
+that is damaged or does not fit (a
+:class:`~fullshard.core.untrusted.CheckpointError`) leaves the cell and the
+optimizer as they were.
 """
 from __future__ import annotations
 
+import uuid
 from pathlib import Path
 from typing import Optional, Union
 
@@ -26,17 +31,15 @@ import mindspore as ms
 import numpy as np
 from mindspore import Parameter, Tensor, nn, ops
 
-from fullshard.core import shardfiles
+from fullshard.core import manifest, shardfiles
 from fullshard.core.atomic import partial_dir, publish, start_partial
 from fullshard.core.shardfiles import MODEL, OPTIM, Piece, ShardedCheckpoint, key
 from fullshard.core.tensorfile import Array
+from fullshard.core.untrusted import CheckpointError
 from fullshard.mindspore.autograd import no_grad
 from fullshard.mindspore.buckets import gather_full
 from fullshard.mindspore.param import sharded_param_of
 from fullshard.mindspore.policies import dtype_name, dtype_named
-
-_FRAMEWORK = "mindspore"
-
 
 def _numpy(tensor: Tensor) -> np.ndarray:
     # numpy has no bfloat16: those come out as float32 (every bf16 value is one)
@@ -156,7 +159,9 @@ def save_checkpoint(cell: nn.Cell, path: Union[str, Path], optimizer: Optional[n
                                     f"{final} was left as it was")
     if rank == 0:
         try:
-            shardfiles.write_metadata(partial_dir(final), world, _FRAMEWORK, pieces)
+            save_id = uuid.uuid4().hex
+            shardfiles.write_metadata(partial_dir(final), world, pieces, save_id)
+            manifest.write(partial_dir(final), shardfiles.FRAMEWORK, save_id)
             publish(final)
         except Exception as caught:
             error = caught
@@ -169,10 +174,13 @@ def save_checkpoint(cell: nn.Cell, path: Union[str, Path], optimizer: Optional[n
 def load_checkpoint(cell: nn.Cell, path: Union[str, Path], optimizer: Optional[nn.Optimizer] = None) -> None:
     """Fill ``cell`` (and ``optimizer``) from checkpoint directory ``path``, whatever layout saved it.
 
-    Raises ``ValueError`` naming every missing, unexpected or different
-    parameter (name, global shape, dtype) before anything is written: the
+    Raises :class:`~fullshard.core.untrusted.CheckpointError` (a
+    ``ValueError``) for a damaged or crafted checkpoint, naming the file, and
+    for one that does not fit, naming every missing, unexpected or different
+    parameter (name, global shape, dtype), before anything is written: the
     cell and optimizer are then untouched. Every rank reads the files itself
-    (no collective).
+    (no collective). A ``path`` that a crash during its save left missing is
+    loaded from the complete copy beside it, with a warning.
     """
     checkpoint = ShardedCheckpoint(path)
     targets = _targets(cell, optimizer)
@@ -181,10 +189,13 @@ def load_checkpoint(cell: nn.Cell, path: Union[str, Path], optimizer: Optional[n
     checkpoint.check({p.key: (p.shape, p.dtype) for p, _ in targets}, sections, what)
     values = []
     for piece, target in targets:  # read everything first: a file that fails to read changes nothing
-        array = checkpoint.read(piece.key, piece.dim, piece.offset, piece.length)
+        try:
+            array = checkpoint.read(piece.key, piece.dim, piece.offset, piece.length)
+        except OSError as error:
+            raise CheckpointError.at(checkpoint.path, f"cannot be read ({error})") from None
         if tuple(array.data.shape) != tuple(target.shape):
-            raise ValueError(f"checkpoint {path}: '{piece.key}' gives this rank shape {array.data.shape}, "
-                             f"the cell holds {tuple(target.shape)}")
+            raise CheckpointError.at(checkpoint.path, f"'{piece.key}' gives this rank shape {array.data.shape}, "
+                                     f"the cell holds {tuple(target.shape)}")
         values.append((target, _to_tensor(array)))
     with no_grad():
         for target, value in values:

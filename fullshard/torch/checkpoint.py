@@ -1,38 +1,53 @@
 """Sharded checkpoints on torch.distributed.checkpoint (DCP): atomic saves, checked and safe loads, export.
 
 A checkpoint is a DCP directory ``step_<N>``. It is written as
-``step_<N>.partial`` by every rank and renamed by rank 0 only after all ranks
-finished, so an interrupted save never replaces or corrupts the last
-complete checkpoint: :func:`latest_step` only ever sees complete ones.
+``step_<N>.partial`` by every rank; once all ranks finished, rank 0 writes
+the manifest (size and SHA-256 of every file, :mod:`fullshard.core.manifest`)
+and publishes the directory (:mod:`fullshard.core.atomic`), so a crash at
+any point leaves a complete checkpoint that :func:`latest_step` and every
+loader find.
 
-Loading (:func:`load_into`, :func:`load_checkpoint`) first compares the
-checkpoint's metadata with the state to fill and raises one ``ValueError``
-listing every missing or unexpected key and every shape, dtype or kind
-mismatch, before any collective starts (every rank reads the same metadata, so
-every rank raises and none hangs). DCP resharding does the rest: a checkpoint
-saved at any world size and placement loads into any other.
+A checkpoint is untrusted input. Loading first verifies the manifest (a
+stock DCP checkpoint has none: ``require_manifest=False`` accepts one, with
+every other check), then checks every field of the metadata for type and
+range: storage file names are plain names of regular files in the
+directory, every chunk lies inside its tensor's shape and the chunks tile
+it, every stored byte range lies inside its file, key paths build one
+bounded nesting. Anything wrong is a
+:class:`~fullshard.core.untrusted.CheckpointError` (a ``ValueError``) naming
+the file. It then compares the metadata with the state to fill and raises
+one ``CheckpointError`` listing every missing or unexpected key and every
+shape, dtype or kind mismatch, before any collective starts (every rank
+reads the same metadata, so every rank raises and none hangs). DCP
+resharding does the rest: a checkpoint saved at any world size and
+placement loads into any other.
 
 Loading never runs code from the checkpoint. Stock DCP unpickles the
 ``.metadata`` file with ``pickle.load`` and non-tensor values with
 ``torch.load(weights_only=False)``, both of which execute whatever a crafted
-file asks for; here the metadata goes through an unpickler that only builds
-DCP's own metadata classes and torch sizes/dtypes, and non-tensor values must
-pass ``torch.load(weights_only=True)``. Tensor data is already read with
-``weights_only=True`` by DCP.
+file asks for; here the metadata's opcodes are scanned first (no count in
+it may ask for more memory than the file holds,
+:mod:`fullshard.core.pickle_scan`), then it goes through an unpickler that
+only builds DCP's own metadata classes and torch sizes/dtypes, and
+non-tensor values must pass ``torch.load(weights_only=True)``. Tensor data
+is already read with ``weights_only=True`` by DCP.
 
 :func:`load_full` and :func:`export_full` turn a checkpoint into a full,
 unsharded state dict in one process, without any process group.
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 import enum
+import functools
 import io
 import os
 import pathlib
 import pickle
 import warnings
-from pathlib import Path
+from math import prod
+from pathlib import Path, PurePath
 from typing import Any, Optional, Union
 
 import torch
@@ -42,12 +57,38 @@ from torch.distributed.checkpoint import filesystem as dcp_filesystem
 from torch.distributed.checkpoint import metadata as dcp_metadata
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, StorageMeta, TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    StorageMeta,
+    TensorProperties,
+    TensorStorageMetadata,
+)
 
-from fullshard.core.atomic import latest_step, partial_dir, publish, start_partial, step_dir  # noqa: F401 (latest_step: public here)
+from fullshard.core import manifest
+from fullshard.core.atomic import latest_step, partial_dir, publish, resolve, start_partial, step_dir  # noqa: F401 (latest_step: public here)
+from fullshard.core.layout_checks import check_key_paths, check_ranges, check_shape, check_tiling
+from fullshard.core.pickle_scan import check_pickle
+from fullshard.core.untrusted import CheckpointError, is_int, plain_file_name, read_whole, regular_file, show
 
 # DCP's name for the metadata file (``filesystem._metadata_fn``, private there).
 _METADATA_FILE = ".metadata"
+_MAX_METADATA_BYTES = 2 << 30
+_FRAMEWORK = "torch"
+# Tensor dtypes a checkpoint may declare: the plain ones (no quantized or sub-byte packed types).
+_DTYPES = frozenset(d for d in (
+    "float64", "float32", "float16", "bfloat16", "complex128", "complex64", "complex32",
+    "int64", "int32", "int16", "int8", "uint64", "uint32", "uint16", "uint8", "bool",
+    "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu",
+) if isinstance(getattr(torch, d, None), torch.dtype))
+_MEMORY_FORMATS = (torch.contiguous_format, torch.channels_last, torch.preserve_format)
+_MAX_TEXT = 4096
+_NO_MANIFEST_FIX = (
+    "it was not saved by fullshard (a stock DCP or FSDP2 checkpoint), or its save never finished. To load a "
+    "stock checkpoint, pass require_manifest=False (fullshard export --without-manifest): every structural "
+    "check still runs, only the digests are missing")
 # At most this many problems are spelled out in one mismatch error.
 _MAX_REPORTED = 20
 
@@ -56,8 +97,9 @@ def save_atomic(state: dict[str, Any], root: Path, step: int) -> Path:
     """Save ``state`` (DTensor state dicts) collectively; the directory appears only when complete.
 
     Every rank must see the same ``root`` (a shared file system on several
-    machines). DCP fsyncs its files; the final rename is fsynced too, so after
-    a crash ``step_<N>`` is either absent or complete.
+    machines). DCP fsyncs its files; rank 0 then reads every file once to
+    write the manifest, and publishes the directory (fsynced too), so after a
+    crash ``step_<N>`` or the copy beside it is complete.
     """
     final = step_dir(root, step)
     rank = dist.get_rank() if dist.is_initialized() else 0
@@ -70,10 +112,20 @@ def save_atomic(state: dict[str, Any], root: Path, step: int) -> Path:
     if dist.is_initialized():
         dist.barrier()
     if rank == 0:
+        _write_manifest(partial)
         publish(final)
     if dist.is_initialized():
         dist.barrier()
     return final
+
+
+def _write_manifest(partial: Path) -> None:
+    """The manifest of a finished DCP save, under the save id DCP recorded (which loads compare)."""
+    metadata = _checked_metadata(partial, None)  # what was just written passes every check a load makes
+    save_id = getattr(metadata.storage_meta, "save_id", None)
+    if not isinstance(save_id, str):
+        raise RuntimeError(f"save_atomic: DCP recorded no save id in {partial / _METADATA_FILE}")
+    manifest.write(partial, _FRAMEWORK, save_id)
 
 
 # ---------------------------------------------------------------------- safe reading
@@ -104,8 +156,6 @@ class _MetadataUnpickler(pickle.Unpickler):
         elif module == "pathlib" and name in self._PATH_CLASSES:
             return getattr(pathlib, name)  # StorageMeta.checkpoint_id
         elif module == "collections" and name == "OrderedDict":
-            import collections
-
             return collections.OrderedDict
         raise pickle.UnpicklingError(
             f"checkpoint metadata refers to {module}.{name}, which is not part of DCP metadata; "
@@ -113,33 +163,215 @@ class _MetadataUnpickler(pickle.Unpickler):
         )
 
 
+def _checked_metadata(directory: Path, verified: Optional[manifest.Manifest]) -> Metadata:
+    """The metadata of DCP directory ``directory``, every field checked (see :func:`_check_metadata`).
+
+    ``verified``: the manifest the files were verified against, whose save id the metadata must carry.
+    """
+    data = read_whole(directory, _METADATA_FILE, directory, _MAX_METADATA_BYTES)
+    check_pickle(data, directory, _METADATA_FILE)
+    try:
+        metadata = _MetadataUnpickler(io.BytesIO(data)).load()
+    except Exception as error:  # a refused class, or classes built from arguments they do not take
+        problem = str(error).splitlines()[0][:300] if str(error) else type(error).__name__
+        raise CheckpointError.at(directory, f"cannot be unpickled as DCP metadata: {problem}", _METADATA_FILE) from None
+    _check_metadata(metadata, directory)
+    if verified is not None and getattr(metadata.storage_meta, "save_id", None) != verified.save_id:
+        raise CheckpointError.at(directory, f"was written by save {show(getattr(metadata.storage_meta, 'save_id', None))}, "
+                                 f"the manifest lists save {verified.save_id}: the files come from different saves",
+                                 _METADATA_FILE)
+    return metadata
+
+
+def open_metadata(path: Union[str, Path], *, require_manifest: bool = True) -> tuple[Path, Metadata]:
+    """The directory checkpoint ``path`` is loaded from (:func:`~fullshard.core.atomic.resolve`) and its
+    metadata: the manifest verified (absent: CheckpointError unless ``require_manifest`` is False), every
+    field checked. Reads nothing but the checkpoint's own files."""
+    directory = resolve(path)
+    if not directory.is_dir():
+        raise CheckpointError.at(directory, "does not exist (no checkpoint directory there)")
+    verified = None
+    if manifest.present(directory) or require_manifest:
+        if not manifest.present(directory):
+            raise CheckpointError.at(directory, f"has no {manifest.MANIFEST_FILE}: {_NO_MANIFEST_FIX}")
+        verified = manifest.verify(directory, _FRAMEWORK)
+    return directory, _checked_metadata(directory, verified)
+
+
 class SafeFileSystemReader(dcp.FileSystemReader):
-    """``FileSystemReader`` whose metadata cannot execute code (see :class:`_MetadataUnpickler`)."""
+    """``FileSystemReader`` over a checkpoint checked as untrusted input before DCP sees any of it.
 
-    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        rank = kwargs.get("rank")
-        name = _METADATA_FILE if rank is None else f"__{rank}{_METADATA_FILE}"
-        path = self.fs.concat_path(self.path, name)
-        with self.fs.create_stream(path, "rb") as stream:
-            try:
-                metadata = _MetadataUnpickler(stream).load()
-            except pickle.UnpicklingError as error:
-                raise ValueError(f"checkpoint {self.path}: {error}") from None
-        if not isinstance(metadata, Metadata):
-            raise ValueError(f"checkpoint {self.path}: {name} holds a {type(metadata).__name__}, not DCP Metadata")
-        # As the stock reader does: older checkpoints have no storage_meta.
-        if getattr(metadata, "storage_meta", None) is None:
-            metadata.storage_meta = StorageMeta()
-        metadata.storage_meta.load_id = self.load_id
-        return metadata
+    Construction resolves and verifies ``path`` (:func:`open_metadata`); the
+    metadata DCP then asks for is that checked one. Its unpickler cannot
+    execute code (see :class:`_MetadataUnpickler`).
+    """
+
+    def __init__(self, path: Union[str, Path], *, require_manifest: bool = True) -> None:
+        directory, self._metadata = open_metadata(path, require_manifest=require_manifest)
+        super().__init__(str(directory))
+
+    def read_metadata(self) -> Metadata:  # no rank-local variant: only the checked metadata is ever used
+        if self._metadata.storage_meta is None:  # as the stock reader does: older checkpoints have none
+            self._metadata.storage_meta = StorageMeta()
+        self._metadata.storage_meta.load_id = self.load_id
+        return self._metadata
 
 
-class UnsafeCheckpointError(ValueError):
+# ---------------------------------------------------------------------- checking the metadata itself
+@functools.cache
+def _field_names(cls: type) -> frozenset:
+    return frozenset(f.name for f in dataclasses.fields(cls))
+
+
+def _fields(obj: Any, cls: type, directory: Path, what: str, optional: frozenset = frozenset()) -> None:
+    """``obj`` is exactly a ``cls`` whose attributes are its dataclass fields (``optional`` ones may be absent)."""
+    names = _field_names(cls)
+    attributes = getattr(obj, "__dict__", None)
+    if type(obj) is not cls or not isinstance(attributes, dict) or not (names - optional) <= set(attributes) <= names:
+        raise CheckpointError.at(directory, f"{what} is {show(obj)}, not a {cls.__name__} with fields "
+                                 f"{sorted(names)}", _METADATA_FILE)
+
+
+def _size(value: Any, directory: Path, what: str) -> tuple[int, ...]:
+    if type(value) is not torch.Size:
+        raise CheckpointError.at(directory, f"{what} is {show(value)}, not a torch.Size", _METADATA_FILE)
+    return check_shape(tuple(value), directory, f"{_METADATA_FILE}: {what}")
+
+
+def _text(value: Any, directory: Path, what: str, allow_none: bool = True) -> None:
+    if not ((allow_none and value is None) or (isinstance(value, str) and len(value) <= _MAX_TEXT)):
+        raise CheckpointError.at(directory, f"{what} is {show(value)}, not a string", _METADATA_FILE)
+
+
+def _tensor_entry(name: str, entry: Any, directory: Path) -> tuple[tuple[int, ...], int, list]:
+    """Shape, element size and chunks of a tensor entry, each field checked."""
+    what = f"the entry of '{name}'"
+    _fields(entry, TensorStorageMetadata, directory, what)
+    props = entry.properties
+    _fields(props, TensorProperties, directory, f"{what}: its properties")
+    if (not isinstance(props.dtype, torch.dtype) or str(props.dtype).removeprefix("torch.") not in _DTYPES
+            or props.layout is not torch.strided or type(props.requires_grad) is not bool
+            or type(props.pin_memory) is not bool or props.memory_format not in _MEMORY_FORMATS):
+        raise CheckpointError.at(directory, f"{what}: properties {show(props)} are not those of a plain dense "
+                                 "tensor", _METADATA_FILE)
+    shape = _size(entry.size, directory, f"{what}: its size")
+    if type(entry.chunks) is not list:
+        raise CheckpointError.at(directory, f"{what}: chunks {show(entry.chunks)} is not a list", _METADATA_FILE)
+    chunks = []
+    for index, chunk in enumerate(entry.chunks):
+        _fields(chunk, ChunkStorageMetadata, directory, f"{what}: chunk {index}")
+        chunks.append((_size(chunk.offsets, directory, f"{what}: chunk {index} offsets"),
+                       _size(chunk.sizes, directory, f"{what}: chunk {index} sizes")))
+    check_tiling(shape, chunks, directory, f"{_METADATA_FILE}: {what}")
+    return shape, props.dtype.itemsize, chunks
+
+
+def _storage(metadata: Metadata, directory: Path) -> dict[tuple, tuple[str, Any, Any, Any]]:
+    """``(fqn, chunk offsets or None)`` -> (file, offset, length, chunk index) of every stored item; the
+    names and kinds checked (the numbers are checked against the entries and files)."""
+    if type(metadata.storage_data) is not dict:
+        raise CheckpointError.at(directory, f"storage_data is {show(metadata.storage_data)}, not a dict", _METADATA_FILE)
+    storage = {}
+    for index, info in metadata.storage_data.items():
+        _fields(index, MetadataIndex, directory, "a storage_data key", frozenset({"offset", "index"}))
+        _text(index.fqn, directory, "a storage_data key's fqn", allow_none=False)
+        offsets = None if index.offset is None else _size(index.offset, directory, f"the storage key of '{index.fqn}'")
+        what = f"the storage of '{index.fqn}'" + (f" at {offsets}" if offsets is not None else "")
+        _fields(info, dcp_filesystem._StorageInfo, directory, what, frozenset({"transform_descriptors"}))
+        name = plain_file_name(info.relative_path, directory, f"{what} names file")
+        if name in (_METADATA_FILE, manifest.MANIFEST_FILE):
+            raise CheckpointError.at(directory, f"{what} points into {name}, which holds no data", _METADATA_FILE)
+        if getattr(info, "transform_descriptors", None) not in (None, [], ()):
+            raise CheckpointError.at(directory, f"{what} is stored through transforms "
+                                     f"{show(info.transform_descriptors)}, which fullshard's checked loads do not "
+                                     "read", _METADATA_FILE)
+        storage[(index.fqn, offsets)] = (name, info.offset, info.length, index.index)
+    return storage
+
+
+def _check_metadata(metadata: Any, directory: Path) -> None:
+    """Every field of unpickled DCP metadata, for type and range, against the files it points into.
+
+    Tensor chunks tile their shapes, each stored at a byte range of a
+    regular file of the directory, the ranges inside their files and
+    disjoint, each at least as long as its chunk's raw bytes (so no tensor
+    claims more than the files hold). Every entry is stored, nothing else
+    is; key paths (``planner_data``) are bounded and consistent.
+    """
+    # storage_meta and version are newer than the format: older checkpoints lack them
+    _fields(metadata, Metadata, directory, "the metadata", frozenset({"storage_meta", "version"}))
+    entries = metadata.state_dict_metadata
+    if type(entries) is not dict:
+        raise CheckpointError.at(directory, f"state_dict_metadata is {show(entries)}, not a dict", _METADATA_FILE)
+    storage = _storage(metadata, directory)
+    claimed, per_file = set(), collections.defaultdict(list)
+    for name, entry in entries.items():
+        _text(name, directory, "a state_dict_metadata key", allow_none=False)
+        if type(entry) is BytesStorageMetadata:
+            _fields(entry, BytesStorageMetadata, directory, f"the entry of '{name}'")
+            items = [((name, None), 0, None, f"value '{name}'")]
+        else:
+            _, itemsize, chunks = _tensor_entry(name, entry, directory)
+            items = [((name, offsets), prod(sizes) * itemsize, position, f"'{name}' chunk at {offsets}")
+                     for position, (offsets, sizes) in enumerate(chunks)]
+        for item, least, position, what in items:
+            if item not in storage:
+                raise CheckpointError.at(directory, f"{what} is not stored anywhere (no storage_data entry)",
+                                         _METADATA_FILE)
+            file, offset, length, hint = storage[item]
+            if not (hint is None or (position is not None and is_int(hint) and hint == position)):
+                raise CheckpointError.at(directory, f"the storage key of {what} gives chunk index {show(hint)}, "
+                                         f"it is chunk {position}", _METADATA_FILE)
+            if is_int(length) and length < least:
+                raise CheckpointError.at(directory, f"{what} is stored in {length} bytes, fewer than its {least} "
+                                         "bytes of data", _METADATA_FILE)
+            claimed.add(item)
+            per_file[file].append((offset, length, what))
+    unclaimed = sorted(map(str, set(storage) - claimed))
+    if unclaimed:
+        raise CheckpointError.at(directory, f"storage_data holds {unclaimed[0]}, which no entry uses", _METADATA_FILE)
+    for file, ranges in sorted(per_file.items()):
+        check_ranges(file, regular_file(directory, file, directory).st_size, ranges, directory)
+    _check_extras(metadata, directory)
+
+
+def _check_extras(metadata: Metadata, directory: Path) -> None:
+    """``planner_data`` (key paths), ``storage_meta`` and ``version``: types, bounds and consistency."""
+    paths = metadata.planner_data
+    if paths is not None:
+        if type(paths) is not dict or set(paths) != set(metadata.state_dict_metadata):
+            raise CheckpointError.at(directory, "planner_data does not map exactly the checkpoint's keys to key "
+                                     f"paths: {show(paths)}", _METADATA_FILE)
+    check_key_paths(paths if paths is not None else {k: (k,) for k in metadata.state_dict_metadata},
+                    directory, _METADATA_FILE)
+    meta = metadata.storage_meta
+    if meta is not None:
+        _fields(meta, StorageMeta, directory, "storage_meta", frozenset({"checkpoint_id", "save_id", "load_id", "modules"}))
+        checkpoint_id = getattr(meta, "checkpoint_id", None)
+        if isinstance(checkpoint_id, PurePath):
+            checkpoint_id = str(checkpoint_id)  # where it was saved; never used to read
+        _text(checkpoint_id, directory, "storage_meta.checkpoint_id")
+        _text(getattr(meta, "save_id", None), directory, "storage_meta.save_id")
+        _text(getattr(meta, "load_id", None), directory, "storage_meta.load_id")
+        modules = getattr(meta, "modules", [])
+        if type(modules) is not list or len(modules) > _MAX_TEXT:
+            raise CheckpointError.at(directory, f"storage_meta.modules is {show(modules)}, not a list", _METADATA_FILE)
+        for module in modules:
+            _text(module, directory, "a storage_meta module", allow_none=False)
+    _text(getattr(metadata, "version", None), directory, "version")
+
+
+# ---------------------------------------------------------------------- loading values
+class UnsafeCheckpointError(CheckpointError):
     """A checkpoint value that could only be loaded by running code from the checkpoint."""
 
 
 class SafeLoadPlanner(DefaultLoadPlanner):
     """``DefaultLoadPlanner`` that only accepts non-tensor values ``torch.load(weights_only=True)`` can build."""
+
+    def __init__(self, *args: Any, checkpoint: Union[str, Path] = "", **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.checkpoint = checkpoint  # named in a refusal
 
     def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
         try:
@@ -147,7 +379,8 @@ class SafeLoadPlanner(DefaultLoadPlanner):
         except Exception as error:
             raise UnsafeCheckpointError(
                 f"checkpoint value '{read_item.dest_index.fqn}' is not plain data (weights_only load failed: "
-                f"{str(error).splitlines()[0]}); refusing to unpickle it"
+                f"{str(error).splitlines()[0]}); refusing to unpickle it (checkpoint {self.checkpoint})",
+                str(self.checkpoint),
             ) from None
         # It only holds plain data, so the stock (unrestricted) load builds the
         # same objects; it also knows where nested values go.
@@ -156,24 +389,26 @@ class SafeLoadPlanner(DefaultLoadPlanner):
 
 
 def _safe_dcp_load(state: dict[str, Any], reader: SafeFileSystemReader, no_dist: bool = False) -> None:
-    """``dcp.load`` with the safe planner; a refused value surfaces as itself, not inside DCP's wrapper.
+    """``dcp.load`` with the safe planner; any failure surfaces as one CheckpointError, not DCP's wrapper.
 
     DCP gathers every rank's failure into one ``CheckpointException`` (a
     ``BaseException``, which ``except Exception`` would not even catch); every
     rank gets it, so every rank raises the same refusal.
     """
     try:
-        dcp.load(state, storage_reader=reader, planner=SafeLoadPlanner(), no_dist=no_dist)
+        dcp.load(state, storage_reader=reader, planner=SafeLoadPlanner(checkpoint=reader.path), no_dist=no_dist)
     except CheckpointException as error:
-        for failure, _trace in error.failures.values():
-            if isinstance(failure, UnsafeCheckpointError):
+        failures = [failure for failure, _trace in error.failures.values()]
+        for failure in failures:
+            if isinstance(failure, CheckpointError):
                 raise failure from None
-        raise
+        first = str(failures[0]).splitlines()[0] if failures and str(failures[0]) else str(error)
+        raise CheckpointError.at(reader.path, f"could not be read: {first[:300]}") from None
 
 
-def read_metadata(path: Union[str, Path]) -> Metadata:
-    """The metadata of the DCP checkpoint directory ``path`` (keys, global shapes, dtypes), read safely."""
-    return SafeFileSystemReader(str(path)).read_metadata()
+def read_metadata(path: Union[str, Path], *, require_manifest: bool = True) -> Metadata:
+    """The metadata of the DCP checkpoint directory ``path`` (keys, global shapes, dtypes), verified and checked."""
+    return open_metadata(path, require_manifest=require_manifest)[1]
 
 
 # ---------------------------------------------------------------------- checking
@@ -195,7 +430,7 @@ def _flat_state(state: dict[str, Any]) -> dict[str, Any]:
 
 
 def check_compatible(state: dict[str, Any], metadata: Metadata, *, strict: bool = True, where: str = "") -> None:
-    """Raise ``ValueError`` unless ``metadata`` can fill ``state`` exactly.
+    """Raise CheckpointError (a ``ValueError``) unless ``metadata`` can fill ``state`` exactly.
 
     Every key of ``state`` must be in the checkpoint with the same global
     shape (a DTensor's full shape), dtype and kind (tensor or not). With
@@ -241,29 +476,39 @@ def check_compatible(state: dict[str, Any], metadata: Metadata, *, strict: bool 
         if len(problems) > _MAX_REPORTED:
             shown.append(f"... and {len(problems) - _MAX_REPORTED} more")
         target = f"checkpoint {where}" if where else "checkpoint"
-        raise ValueError(f"{target} does not match the state to load into:\n  " + "\n  ".join(shown))
+        raise CheckpointError(f"{target} does not match the state to load into (nothing was loaded):\n  "
+                              + "\n  ".join(shown), where or None)
 
 
 # ---------------------------------------------------------------------- loading
-def load_checkpoint(state: dict[str, Any], path: Union[str, Path], *, strict: bool = True) -> None:
+def load_checkpoint(state: dict[str, Any], path: Union[str, Path], *, strict: bool = True,
+                    require_manifest: bool = True) -> None:
     """Load the DCP directory ``path`` into ``state`` in place, checked and safely (see the module doc).
 
     ``state`` holds what to fill: DTensors (resharded from whatever layout was
     saved), plain tensors (a single process gets full tensors) and non-tensor
-    values (replaced). Collective when a process group is initialized.
+    values (replaced). Collective when a process group is initialized. A bad
+    or unfitting checkpoint is a CheckpointError before anything is read into
+    ``state``. ``require_manifest=False`` also loads a stock DCP checkpoint
+    (no fullshard manifest: every check but the digests).
     """
-    reader = SafeFileSystemReader(str(path))
-    check_compatible(state, reader.read_metadata(), strict=strict, where=str(path))
+    reader = SafeFileSystemReader(path, require_manifest=require_manifest)
+    check_compatible(state, reader.read_metadata(), strict=strict, where=str(reader.path))
     _safe_dcp_load(state, reader)
 
 
-def load_into(state: dict[str, Any], root: Path, step: int, *, strict: bool = True) -> None:
+def load_into(state: dict[str, Any], root: Path, step: int, *, strict: bool = True,
+              require_manifest: bool = True) -> None:
     """Load checkpoint ``step`` under ``root`` into ``state`` in place (DCP resharding to the current layout)."""
-    load_checkpoint(state, step_dir(root, step), strict=strict)
+    load_checkpoint(state, step_dir(root, step), strict=strict, require_manifest=require_manifest)
 
 
 def _set_path(root: dict, path: tuple, value: Any) -> None:
-    """``root[path[0]][path[1]]... = value``, creating dicts (str keys) and lists (int keys) on the way."""
+    """``root[path[0]][path[1]]... = value``, creating dicts (str keys) and lists (int keys) on the way.
+
+    The paths come from checked metadata (:func:`~fullshard.core.layout_checks.check_key_paths`): bounded
+    indices, no path through another's leaf, one kind of key per container.
+    """
     container: Any = root
     for key, next_key in zip(path, path[1:]):
         empty: Any = [] if isinstance(next_key, int) else {}
@@ -279,14 +524,16 @@ def _set_path(root: dict, path: tuple, value: Any) -> None:
     container[path[-1]] = value
 
 
-def load_full(path: Union[str, Path]) -> dict[str, Any]:
+def load_full(path: Union[str, Path], *, require_manifest: bool = True) -> dict[str, Any]:
     """The whole checkpoint as a full, unsharded (nested) state dict of CPU tensors, in this process only.
 
     Starts no process group (and uses none that exists). Nesting is rebuilt
     from the key paths DCP records when saving, so a fullshard training
-    checkpoint comes back as ``{"model": {...}, "optim": {...}}``.
+    checkpoint comes back as ``{"model": {...}, "optim": {...}}``. Every
+    tensor is allocated at a size the checked metadata bounds by the bytes its
+    files hold.
     """
-    reader = SafeFileSystemReader(str(path))
+    reader = SafeFileSystemReader(path, require_manifest=require_manifest)
     metadata = reader.read_metadata()
     flat: dict[str, Any] = {}
     for key, entry in metadata.state_dict_metadata.items():
@@ -318,7 +565,8 @@ def _flatten_nested(tree: Any, prefix: str = "") -> dict[str, Any]:
 
 
 def export_full(
-    checkpoint_dir: Union[str, Path], out_file: Union[str, Path], *, key: Optional[str] = None
+    checkpoint_dir: Union[str, Path], out_file: Union[str, Path], *, key: Optional[str] = None,
+    require_manifest: bool = True,
 ) -> Path:
     """Write the checkpoint as one full, unsharded state dict file; one process, no process group.
 
@@ -326,7 +574,8 @@ def export_full(
     state dict; ``.safetensors`` (needs the ``safetensors`` package) gets its
     tensors under dotted names, so it only takes tensors (pick ``key="model"``
     for a training checkpoint). ``key`` selects one top-level entry, e.g. the
-    model's state dict without the optimizer's. The file appears atomically.
+    model's state dict without the optimizer's. The file appears atomically,
+    and only once the whole checkpoint was checked and read.
     """
     out = Path(out_file)
     suffix = out.suffix.lower()
@@ -337,7 +586,7 @@ def export_full(
             from safetensors.torch import save_file
         except ImportError:
             raise ImportError("export_full: writing .safetensors needs the 'safetensors' package") from None
-    state: Any = load_full(checkpoint_dir)
+    state: Any = load_full(checkpoint_dir, require_manifest=require_manifest)
     if key is not None:
         if key not in state:
             raise ValueError(f"export_full: checkpoint {checkpoint_dir} has no entry {key!r}; it has {sorted(state)}")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Optional
 
 FRAMEWORKS = ("torch", "mindspore")
@@ -29,6 +30,8 @@ class TrainConfig:
     device: str = "cpu"
     timeout_s: int = 600
     framework: str = "torch"
+    mesh: str = "auto"  # auto | fsdp | hsdp (fullshard.train.nodes.choose_mesh)
+    nodes: dict = field(default_factory=dict)  # fullshard.train.nodes.Nodes as a dict; empty: one node
 
 
 @dataclass
@@ -47,6 +50,12 @@ class RankResult:
     traffic: dict[str, int] = field(default_factory=dict)  # collective bytes of the last step
     # The runtime's own figures, where it gives them (MindSpore: memory_report's theory, with the CPU emulation)
     theory: Optional[dict] = None
+    # Where the rank ran and the mesh its parameters were really sharded on
+    node: int = 0
+    host: str = ""
+    launcher_pid: int = 0  # the agent (torchrun, msrun, fullshard train) that started this process
+    mesh_shape: list[int] = field(default_factory=list)
+    placements: str = ""
 
 
 def learning_rate(cfg: TrainConfig, step: int) -> float:
@@ -61,3 +70,11 @@ def unit_counts(total: int, per_layer: list[int]) -> dict[str, int]:
     """Parameters in all, outside the layers (the root unit), and in the largest unit (a layer, or the root)."""
     root = total - sum(per_layer)
     return {"num_params": total, "largest_unit": max(per_layer + [root]), "root_params": root}
+
+
+def last_checkpoint_hint(checkpoint_dir: Optional[str]) -> str:
+    """"; the last complete checkpoint is step N: continue with --resume", or "" when there is none."""
+    from fullshard.core.atomic import latest_step
+
+    step = latest_step(Path(checkpoint_dir)) if checkpoint_dir else None
+    return f"; the last complete checkpoint is step {step}: continue with --resume" if step else ""

@@ -9,6 +9,7 @@ from typing import Optional
 
 from fullshard.plan.exchange import DEFAULT_BACKENDS, EXCHANGE_ENV, gradient_wire_bytes
 from fullshard.plan.strategy import Strategy, bytes_sent_per_rank, per_rank_theory
+from fullshard.train.nodes import choose_mesh, nodes_of
 
 
 def _mib(nbytes: float) -> str:
@@ -38,24 +39,69 @@ def theoretical(cfg, world: int, units: dict[str, int], runtime: Optional[dict] 
     return {"num_params": units["num_params"], "memory": theory["memory"], "traffic": theory["traffic"]}
 
 
+def with_replicas(theory: dict, replicas: int, shards: int) -> dict:
+    """HSDP: each rank also all-reduces its gradient shard across the ``replicas`` (in fp32, the reduce dtype).
+
+    The planning formulas count one shard group; this adds what crosses the nodes.
+    """
+    if replicas == 1:
+        return theory
+    payload = 4.0 * theory["num_params"] / shards
+    sent = 2 * (replicas - 1) / replicas * payload
+    theory = {**theory, "traffic": {**theory["traffic"]}}
+    theory["traffic"]["all_reduce"] = theory["traffic"].get("all_reduce", 0.0) + payload
+    if "sent" in theory:
+        theory["sent"] += sent
+    if theory.get("carried"):
+        theory["carried"] = {**theory["carried"], "all_reduce": theory["carried"].get("all_reduce", 0.0) + payload}
+        theory["carried_sent"] += sent
+    return theory
+
+
+def _mesh(cfg, results: list[dict]) -> dict:
+    """The mesh the ranks really sharded on (rank 0's record), with the words for what was chosen."""
+    nodes = nodes_of(cfg, results[0]["world"])
+    choice = choose_mesh(getattr(cfg, "mesh", "auto"), nodes, cfg.strategy)
+    shape = results[0].get("mesh_shape") or list(choice.shape)
+    return {"kind": choice.kind, "shape": shape, "dim_names": list(choice.dim_names), "chosen": choice.describe(),
+            "placements": results[0].get("placements", "")}
+
+
+def _nodes(results: list[dict]) -> dict[str, dict]:
+    """Per node: its host, its ranks and the launcher agent that started them."""
+    nodes: dict[str, dict] = {}
+    for r in results:
+        node = nodes.setdefault(str(r.get("node", 0)), {"host": r.get("host", ""), "ranks": [], "launcher_pids": []})
+        node["ranks"].append(r["rank"])
+        if r.get("launcher_pid") and r["launcher_pid"] not in node["launcher_pids"]:
+            node["launcher_pids"].append(r["launcher_pid"])
+    return nodes
+
+
 def write_report(cfg, results: list[dict], out_dir: Path, reference: Optional[dict[int, float]] = None) -> dict:
     out_dir.mkdir(parents=True, exist_ok=True)
     world = results[0]["world"]
     first = results[0]
     steps = sorted(int(s) for s in first["losses"])
     losses = [first["losses"][str(s)] if str(s) in first["losses"] else first["losses"][s] for s in steps]
-    theory = theoretical(cfg, world, first["units"], first.get("theory"))
+    mesh = _mesh(cfg, results)
+    # the ZeRO formulas count the ranks a parameter is sharded over: the mesh's last dim (a node, with HSDP)
+    replicas, shards = ([1] + mesh["shape"])[-2:]
+    theory = with_replicas(theoretical(cfg, shards, first["units"], first.get("theory")), replicas, shards)
     summary = {
         "config": {k: v for k, v in vars(cfg).items()},
         "framework": getattr(cfg, "framework", "torch"),
         "world_size": world,
+        "mesh": mesh,
+        "nodes": _nodes(results),
         "steps": steps,
         "train_loss": losses,
         "reference_loss": [reference[s] for s in steps] if reference else None,
         "val_loss": first["val_loss"],
         "tokens_per_s": results[0]["tokens_per_s"],  # global tokens per second, timed on rank 0
         "ranks": [
-            {k: r[k] for k in ("rank", "param_bytes", "grad_bytes", "optim_bytes", "peak_rss_bytes", "traffic")}
+            {k: r.get(k) for k in ("rank", "node", "host", "param_bytes", "grad_bytes", "optim_bytes",
+                                   "peak_rss_bytes", "traffic", "mesh_shape", "placements")}
             for r in results
         ],
         "theory": theory,
@@ -76,22 +122,30 @@ def format_table(summary: dict) -> str:
     theory = summary["theory"]
     mem, traffic = theory["memory"], theory["traffic"]
     framework = summary.get("framework", "torch")
+    nodes = summary.get("nodes") or {}
+    on_nodes = f" on {len(nodes)} nodes" if len(nodes) > 1 else ""
     lines = [
         f"fullshard train: {summary['config']['hf_config'] or summary['config']['model'] + ' GPT'}, "
         f"{theory['num_params'] / 1e6:.2f}M params, "
-        f"{summary['world_size']} ranks ({framework}), strategy {summary['config']['strategy']}, "
+        f"{summary['world_size']} ranks{on_nodes} ({framework}), strategy {summary['config']['strategy']}, "
         f"{summary['config']['mixed_precision']}",
         f"  train loss   {summary['train_loss'][0]:.4f} -> {summary['train_loss'][-1]:.4f}   "
         f"val loss {summary['val_loss']:.4f}   {summary['tokens_per_s']:.0f} tok/s (all ranks)",
     ]
+    if summary.get("mesh"):
+        lines.append(f"  mesh         {summary['mesh']['chosen']}")
+    if len(nodes) > 1:
+        for node, info in sorted(nodes.items(), key=lambda item: int(item[0])):
+            lines.append(f"  node {node}       ranks {', '.join(map(str, info['ranks']))} on {info['host']}")
     if summary.get("max_loss_deviation") is not None:
         lines.append(f"  verify       largest loss deviation from single-process reference: {summary['max_loss_deviation']:.2e}")
     lines.append("  memory/rank  params+grads+optim (measured)   theory (ZeRO formula)   peak RSS")
     for rank in summary["ranks"]:
         held = rank["param_bytes"] + rank["grad_bytes"] + rank["optim_bytes"]
+        name = f"rank {rank['rank']}" + (f" (node {rank['node']})" if len(nodes) > 1 else "")
         lines.append(
-            f"    rank {rank['rank']}     {_mib(held)}                  {_mib(mem['params'] + mem['grads'] + mem['optim'])}"
-            f"            {_mib(rank['peak_rss_bytes'])}"
+            f"    {name:<{16 if len(nodes) > 1 else 11}}{_mib(held)}                  "
+            f"{_mib(mem['params'] + mem['grads'] + mem['optim'])}            {_mib(rank['peak_rss_bytes'])}"
         )
     carried = theory.get("carried")
     emulation = "   CPU emulation carries" if carried else ""
@@ -102,12 +156,29 @@ def format_table(summary: dict) -> str:
             extra = f"      {_mib(carried.get(kind, 0))}" if carried else ""
             lines.append(f"    {kind:<15}{_mib(measured.get(kind, 0))}            {_mib(traffic[kind])}{extra}")
     if carried:
-        lines.append(f"    sent/rank      {_mib(bytes_sent_per_rank(measured, summary['world_size']))}            "
+        # the collectives run within a shard group (and, with HSDP, across as many replicas): exact when
+        # both have the same size, as on 2 nodes of 2
+        group = (summary.get("mesh") or {}).get("shape", [summary["world_size"]])[-1]
+        lines.append(f"    sent/rank      {_mib(bytes_sent_per_rank(measured, group))}            "
                      f"{_mib(theory['sent'])}      {_mib(theory['carried_sent'])}")
     if summary.get("plot"):
         lines.append(f"  plot         {summary['plot']}")
     elif summary.get("plot_skipped"):
         lines.append(f"  plot         skipped: {summary['plot_skipped']}")
+    return "\n".join(lines)
+
+
+def format_node_summary(results: list[dict], nodes) -> str:
+    """What a node other than node 0 prints at the end: its own ranks (node 0 writes the report)."""
+    here = [r for r in results if r["rank"] in nodes.ranks_on(nodes.node_rank)]
+    losses = [v for k, v in sorted(here[0]["losses"].items(), key=lambda item: int(item[0]))]
+    lines = [f"fullshard train: node {nodes.node_rank} of {nodes.nnodes} finished: ranks "
+             f"{', '.join(str(r['rank']) for r in here)} on {here[0].get('host', '')}, train loss "
+             f"{losses[0]:.4f} -> {losses[-1]:.4f}; node 0 writes the report (its --out)"]
+    for r in here:
+        held = r["param_bytes"] + r["grad_bytes"] + r["optim_bytes"]
+        lines.append(f"    rank {r['rank']}   params+grads+optim {_mib(held)}   peak RSS {_mib(r['peak_rss_bytes'])}"
+                     f"   mesh {'x'.join(map(str, r.get('mesh_shape') or []))} {r.get('placements', '')}")
     return "\n".join(lines)
 
 

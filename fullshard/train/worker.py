@@ -9,6 +9,7 @@ from __future__ import annotations
 import datetime
 import json
 import os
+import socket
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -20,9 +21,11 @@ import torch.nn as nn
 from fullshard.core.procs import peak_rss_bytes
 from fullshard.plan.exchange import DEFAULT_BACKENDS
 from fullshard.core.traffic import traffic
+from fullshard.train import rollcall
 from fullshard.train.config import EVAL_BATCHES, RankResult, TrainConfig, learning_rate
 from fullshard.train.data import ByteCorpus
 from fullshard.train.models import ModelSpec, count_units
+from fullshard.train.nodes import Nodes, choose_mesh, nodes_of
 from fullshard.train.progress import Progress
 
 
@@ -38,16 +41,39 @@ def make_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
     return torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.1)
 
 
-def shard(model: nn.Module, cfg: TrainConfig) -> nn.Module:
+def build_mesh(cfg: TrainConfig, nodes: Nodes):
+    """The mesh ``--mesh`` chose; None for FSDP (fully_shard's default: 1-D over every rank)."""
+    choice = choose_mesh(cfg.mesh, nodes, cfg.strategy)
+    if choice.kind == "fsdp":
+        return None
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh(cfg.device, choice.shape, mesh_dim_names=choice.dim_names)
+
+
+def shard(model: nn.Module, cfg: TrainConfig, mesh=None) -> nn.Module:
     from fullshard import MixedPrecisionPolicy, fully_shard
 
     mp = MixedPrecisionPolicy()
     if cfg.mixed_precision == "bf16":
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     for layer in model.layers:
-        fully_shard(layer, mp_policy=mp, strategy=cfg.strategy)
-    fully_shard(model, mp_policy=mp, strategy=cfg.strategy)
+        fully_shard(layer, mesh=mesh, mp_policy=mp, strategy=cfg.strategy)
+    fully_shard(model, mesh=mesh, mp_policy=mp, strategy=cfg.strategy)
     return model
+
+
+def _record_placement(result: RankResult, model: nn.Module, nodes: Nodes) -> None:
+    """Where this rank ran, and the mesh and placements its parameters really have (not what was asked)."""
+    param = next(model.parameters())
+    result.node, result.host, result.launcher_pid = nodes.node_rank, socket.gethostname(), os.getppid()
+    result.mesh_shape, result.placements = list(param.device_mesh.shape), str(tuple(param.placements))
+
+
+def _share_from_rank0(text: str) -> str:
+    box = [text]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
 
 
 def set_learning_rate(optimizer: torch.optim.Optimizer, cfg: TrainConfig, step: int) -> None:
@@ -90,27 +116,58 @@ def load_checkpoint(cfg: TrainConfig, model, optimizer) -> int:
     return step
 
 
-def run_rank(cfg: TrainConfig) -> dict:
+def run_rank(cfg: TrainConfig) -> list[dict]:
     """Train on this rank (initializing the process group if needed); returns every rank's RankResult."""
     torch.set_num_threads(1)
     if not dist.is_initialized():
         dist.init_process_group(DEFAULT_BACKENDS[cfg.device], timeout=datetime.timedelta(seconds=cfg.timeout_s))
     rank, world = dist.get_rank(), dist.get_world_size()
+    roll = rollcall.start_for_job(cfg, rank, world, _share_from_rank0)
+    try:
+        gathered = _train(cfg, rank, world, roll)
+    except Exception:
+        if roll is not None:  # a collective failed: if ranks were lost, say which (this then exits)
+            roll.settle()
+        raise
+    if roll is not None:
+        roll.finish()
+    return gathered
+
+
+def _train(cfg: TrainConfig, rank: int, world: int, roll) -> list[dict]:
     if cfg.device == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     device = torch.device(cfg.device, torch.cuda.current_device()) if cfg.device == "cuda" else torch.device("cpu")
+    nodes = nodes_of(cfg, world)
     corpus = ByteCorpus.load(cfg.data)
     model = build_model(cfg)
     seq_len = model_spec(cfg).seq_len(model)
     result = RankResult(rank, world, units=count_units(model))
-    model = shard(model, cfg)
+    model = shard(model, cfg, build_mesh(cfg, nodes))
+    _record_placement(result, model, nodes)
     optimizer = make_optimizer(model, cfg)
     start = load_checkpoint(cfg, model, optimizer) if cfg.resume else 0
     result.start_step = start
+    _train_steps(cfg, model, optimizer, corpus, seq_len, result, device, roll)
+    result.val_loss = evaluate(model, corpus, cfg, seq_len, rank, world, device)
+    result.param_bytes = _local_bytes(model.parameters())
+    result.optim_bytes = _local_bytes(v for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v))
+    result.peak_rss_bytes = peak_rss_bytes()
+    gathered = [None] * world
+    dist.all_gather_object(gathered, asdict(result))
+    return gathered
+
+
+def _train_steps(cfg: TrainConfig, model, optimizer, corpus: ByteCorpus, seq_len: int, result: RankResult, device,
+                 roll) -> None:
+    """Steps ``result.start_step`` to ``cfg.steps``: losses, traffic, gradient bytes and speed into ``result``."""
+    rank, world, start = result.rank, result.world, result.start_step
     micro = cfg.batch_size // world // cfg.grad_accum
     progress = Progress(cfg.steps, start, enabled=rank == 0)
     tokens_done, timed = 0, 0.0
     for step in range(start, cfg.steps):
+        if roll is not None:
+            roll.step = step
         began = time.perf_counter()
         traffic.clear()
         set_learning_rate(optimizer, cfg, step)
@@ -139,14 +196,7 @@ def run_rank(cfg: TrainConfig) -> dict:
         if cfg.checkpoint_dir and cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0:
             save_checkpoint(cfg, model, optimizer, step + 1)
     progress.close()
-    result.val_loss = evaluate(model, corpus, cfg, seq_len, rank, world, device)
     result.tokens_per_s = tokens_done / timed if timed else 0.0
-    result.param_bytes = _local_bytes(model.parameters())
-    result.optim_bytes = _local_bytes(v for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v))
-    result.peak_rss_bytes = peak_rss_bytes()
-    gathered = [None] * world
-    dist.all_gather_object(gathered, asdict(result))
-    return gathered
 
 
 @torch.no_grad()

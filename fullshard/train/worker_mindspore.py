@@ -8,12 +8,15 @@ GPT written as a MindSpore Cell (``fullshard/models/gpt_mindspore.py``),
 clipping to a global norm of 1, and sharded checkpoints
 (``fullshard.mindspore.save_checkpoint``). Each worker writes its result as
 JSON into the launch's run directory; rank 0 also writes the progress lines
-the launcher prints.
+the launcher prints. On several nodes (machines whose run directories
+differ) rank 0 collects every rank's result with a collective and writes
+them all, so node 0's launcher reports on every rank.
 """
 from __future__ import annotations
 
 import json
 import os
+import socket
 import sys
 import time
 from dataclasses import asdict
@@ -25,11 +28,13 @@ import numpy as np
 from fullshard.core.atomic import latest_step, step_dir
 from fullshard.core.procs import peak_rss_bytes
 from fullshard.models.config import MODEL_SIZES
+from fullshard.train import rollcall
 from fullshard.train.config import EVAL_BATCHES, RankResult, TrainConfig, learning_rate
 from fullshard.train.data import ByteCorpus
+from fullshard.train.nodes import Nodes, choose_mesh, nodes_of
 from fullshard.train.progress import Progress
 
-CONFIG_FILE, PROGRESS_FILE = "config.json", "progress.log"
+CONFIG_FILE, PROGRESS_FILE, RESULTS_FILE = "config.json", "progress.log", "results.json"
 os.environ.setdefault("GLOG_v", "3")  # MindSpore's own log: errors only (read when MindSpore is imported)
 
 
@@ -61,15 +66,35 @@ def set_learning_rate(optimizer, cfg: TrainConfig, step: int) -> None:
     ops.assign(optimizer.learning_rate, Tensor(learning_rate(cfg, step), ms.float32))
 
 
-def shard(model, cfg: TrainConfig):
+def build_mesh(cfg: TrainConfig, nodes: Nodes):
+    """The mesh ``--mesh`` chose; None for FSDP (fully_shard's default: 1-D over every rank)."""
+    from fullshard.mindspore import init_device_mesh
+
+    choice = choose_mesh(cfg.mesh, nodes, cfg.strategy)
+    return init_device_mesh("cpu", choice.shape, mesh_dim_names=choice.dim_names) if choice.kind == "hsdp" else None
+
+
+def shard(model, cfg: TrainConfig, mesh=None):
     import mindspore as ms
 
     from fullshard.mindspore import MixedPrecisionPolicy, fully_shard
 
     mp = MixedPrecisionPolicy(param_dtype=ms.float16, reduce_dtype=ms.float32) if cfg.mixed_precision == "fp16" else None
     for layer in model.layers:
-        fully_shard(layer, mp_policy=mp, strategy=cfg.strategy)
-    return fully_shard(model, mp_policy=mp, strategy=cfg.strategy)
+        fully_shard(layer, mesh=mesh, mp_policy=mp, strategy=cfg.strategy)
+    return fully_shard(model, mesh=mesh, mp_policy=mp, strategy=cfg.strategy)
+
+
+def _record_placement(result: RankResult, model, nodes: Nodes) -> None:
+    """Where this rank ran, and the groups its parameters are really sharded and replicated over."""
+    from fullshard.mindspore.param import sharded_param_of
+
+    reducer = sharded_param_of(model.trainable_params()[0]).group.reducer
+    shard, replica = reducer.comm, reducer.replica
+    result.node, result.host, result.launcher_pid = nodes.node_rank, socket.gethostname(), os.getppid()
+    result.mesh_shape = [replica.size, shard.size] if replica is not None else [shard.size]
+    result.placements = f"shards over {shard.size} ranks" + (
+        f", replicated over {replica.size} (groups {replica.group}, {shard.group})" if replica is not None else "")
 
 
 def _ids(array: np.ndarray):
@@ -83,45 +108,119 @@ def _rows(array: np.ndarray, rank: int, world: int) -> np.ndarray:
     return array[rank * per:(rank + 1) * per]
 
 
+def _broadcast_text(text: str, size: int = 256) -> str:
+    """Rank 0's ``text`` on every rank (the roll call's address)."""
+    from mindspore import Tensor, ops
+
+    data = np.zeros(size, np.int32)
+    encoded = text.encode()
+    data[:len(encoded)] = np.frombuffer(encoded, np.uint8)
+    (out,) = ops.Broadcast(0)((Tensor(data),))
+    values = out.asnumpy()
+    return bytes(values[values != 0].astype(np.uint8)).decode()
+
+
+def _gather_results(result: dict) -> list[dict]:
+    """Every rank's result on every rank: an all-gather of JSON bytes (int32 words, which CPU AllGather takes)."""
+    from mindspore import Tensor, ops
+
+    encoded = json.dumps(result).encode()
+    sizes = ops.AllGather()(Tensor(np.array([len(encoded)], np.int32))).asnumpy()
+    words = -(-int(sizes.max()) // 4)
+    padded = np.zeros(words * 4, np.uint8)
+    padded[:len(encoded)] = np.frombuffer(encoded, np.uint8)
+    gathered = ops.AllGather()(Tensor(padded.view(np.int32))).asnumpy().view(np.uint8).reshape(len(sizes), -1)
+    return [json.loads(bytes(row[:size])) for row, size in zip(gathered, sizes)]
+
+
 def _sum_over_ranks(value: float) -> float:
     from mindspore import Tensor, ops
 
     return float(ops.AllReduce()(Tensor(np.array([value], np.float32))).asnumpy()[0])
 
 
+def resume(cfg: TrainConfig, model, optimizer) -> int:
+    """Load the latest checkpoint under ``cfg.checkpoint_dir`` (found as ``export`` finds it); its step."""
+    from fullshard.mindspore import load_checkpoint
+
+    start = latest_step(cfg.checkpoint_dir)
+    if start is None:
+        raise FileNotFoundError(f"--resume: no complete checkpoint under {cfg.checkpoint_dir}")
+    load_checkpoint(model, step_dir(cfg.checkpoint_dir, start), optimizer)
+    return start
+
+
 def run_rank(cfg: TrainConfig, run_dir: Path) -> dict:
-    """Train on this msrun worker; writes ``result_<rank>.json`` into ``run_dir``."""
-    import mindspore as ms
+    """Train on this msrun worker; writes ``result_<rank>.json`` into ``run_dir`` (rank 0: every rank's too)."""
     from mindspore.communication import get_group_size, get_rank, init
 
     from fullshard.core.msrun import register_worker
-    from fullshard.core.traffic import reset_traffic, traffic_bytes
-    from fullshard.mindspore import clip_grad_norm, load_checkpoint, memory_report, save_checkpoint
-    from fullshard.models.gpt_mindspore import count_units
 
     _setup()
     init()
     rank, world = get_rank(), get_group_size()
     register_worker(rank)
+    roll = rollcall.start_for_job(cfg, rank, world, _broadcast_text)
+    try:
+        result = _train(cfg, run_dir, rank, world, roll)
+        everyone = _gather_results(result)
+    except Exception:
+        if roll is not None:  # a collective failed: if ranks were lost, say which (this then exits)
+            roll.settle()
+        raise
+    if roll is not None:
+        roll.finish()
+    (run_dir / f"result_{rank}.json").write_text(json.dumps(result))
+    if rank == 0:
+        (run_dir / RESULTS_FILE).write_text(json.dumps(everyone))
+    return result
+
+
+def _train(cfg: TrainConfig, run_dir: Path, rank: int, world: int, roll) -> dict:
+    from fullshard.mindspore import load_checkpoint, memory_report
+    from fullshard.models.gpt_mindspore import count_units
+
     corpus = ByteCorpus.load(cfg.data)
     model = build_model(cfg)
     seq_len = model.cfg.seq_len
     result = RankResult(rank, world, units=count_units(model))
-    shard(model, cfg)
+    nodes = nodes_of(cfg, world)
+    shard(model, cfg, build_mesh(cfg, nodes))
+    _record_placement(result, model, nodes)
     optimizer = make_optimizer(model.trainable_params(), cfg)
-    start = 0
-    if cfg.resume:
-        start = latest_step(cfg.checkpoint_dir)
-        if start is None:
-            raise FileNotFoundError(f"--resume: no complete checkpoint under {cfg.checkpoint_dir}")
-        load_checkpoint(model, step_dir(cfg.checkpoint_dir, start), optimizer)
+    start = resume(cfg, model, optimizer) if cfg.resume else 0
     result.start_step = start
-    grad_fn = ms.value_and_grad(lambda x, y: model.loss(x, y) / cfg.grad_accum, None, optimizer.parameters)
-    micro = cfg.batch_size // world // cfg.grad_accum
     stream = open(run_dir / PROGRESS_FILE, "a") if rank == 0 else None
     progress = Progress(cfg.steps, start, enabled=rank == 0, stream=stream)
+    try:
+        _train_steps(cfg, model, optimizer, corpus, seq_len, result, progress, roll)
+    finally:
+        if stream is not None:
+            stream.close()
+    report = memory_report(model, optimizer)
+    result.val_loss = evaluate(model, corpus, cfg, seq_len, rank, world)
+    result.param_bytes = report["measured"]["params"]
+    result.optim_bytes = report["measured"]["optim"]
+    result.theory = report.get("theory")
+    result.peak_rss_bytes = peak_rss_bytes()
+    return asdict(result)
+
+
+def _train_steps(cfg: TrainConfig, model, optimizer, corpus: ByteCorpus, seq_len: int, result: RankResult,
+                 progress: Progress, roll) -> None:
+    """Steps ``result.start_step`` to ``cfg.steps``: losses, traffic, gradient bytes and speed into ``result``."""
+    import mindspore as ms
+
+    from fullshard.core.traffic import reset_traffic, traffic_bytes
+    from fullshard.mindspore import clip_grad_norm, save_checkpoint
+
+    rank, world, start = result.rank, result.world, result.start_step
+    grad_fn = ms.value_and_grad(lambda x, y: model.loss(x, y) / cfg.grad_accum, None, optimizer.parameters)
+    micro = cfg.batch_size // world // cfg.grad_accum
     tokens_done, timed = 0, 0.0
     for step in range(start, cfg.steps):
+        if roll is not None:
+            roll.step = step
         began = time.perf_counter()
         reset_traffic()
         set_learning_rate(optimizer, cfg, step)
@@ -146,17 +245,7 @@ def run_rank(cfg: TrainConfig, run_dir: Path) -> dict:
         if cfg.checkpoint_dir and cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0:
             save_checkpoint(model, step_dir(cfg.checkpoint_dir, step + 1), optimizer)
     progress.close()
-    report = memory_report(model, optimizer)
-    result.val_loss = evaluate(model, corpus, cfg, seq_len, rank, world)
     result.tokens_per_s = tokens_done / timed if timed else 0.0
-    result.param_bytes = report["measured"]["params"]
-    result.optim_bytes = report["measured"]["optim"]
-    result.theory = report.get("theory")
-    result.peak_rss_bytes = peak_rss_bytes()
-    (run_dir / f"result_{rank}.json").write_text(json.dumps(asdict(result)))
-    if stream is not None:
-        stream.close()
-    return asdict(result)
 
 
 def evaluate(model, corpus: ByteCorpus, cfg: TrainConfig, seq_len: int, rank: int, world: int) -> float:
@@ -189,17 +278,22 @@ def reference_losses(cfg: TrainConfig) -> dict[int, float]:
     return losses
 
 
-def launch(cfg: TrainConfig, nproc: int, run_dir: Path, follow=print) -> list[dict]:
-    """Train on ``nproc`` msrun workers; every rank's result (raises ``fullshard.core.msrun.WorkerFailed``)."""
+def launch(cfg: TrainConfig, nodes: Nodes, run_dir: Path, follow=print) -> list[dict]:
+    """Train on this node's msrun workers; the results of every rank on node 0, of this node's ranks on the others
+    (raises ``fullshard.core.msrun.WorkerFailed``)."""
     from fullshard.core.msrun import launch as msrun
 
     run_dir.mkdir(parents=True, exist_ok=True)
-    for stale in (*run_dir.glob("result_*.json"), *run_dir.glob("rank_*.pid"), run_dir / PROGRESS_FILE):
+    for stale in (*run_dir.glob("result_*.json"), *run_dir.glob("rank_*.pid"), run_dir / PROGRESS_FILE,
+                  run_dir / RESULTS_FILE):
         stale.unlink(missing_ok=True)
     (run_dir / CONFIG_FILE).write_text(json.dumps(asdict(cfg)))
-    msrun("fullshard.train.worker_mindspore", [str(run_dir / CONFIG_FILE)], nproc, run_dir, follow=follow,
-          follow_file=PROGRESS_FILE)
-    return [json.loads((run_dir / f"result_{rank}.json").read_text()) for rank in range(nproc)]
+    msrun("fullshard.train.worker_mindspore", [str(run_dir / CONFIG_FILE)], nodes.per_node, run_dir, follow=follow,
+          follow_file=PROGRESS_FILE, nnodes=nodes.nnodes, node_rank=nodes.node_rank, master_addr=nodes.master_addr,
+          master_port=nodes.master_port if nodes.nnodes > 1 else None)
+    if nodes.node_rank == 0:
+        return json.loads((run_dir / RESULTS_FILE).read_text())
+    return [json.loads((run_dir / f"result_{rank}.json").read_text()) for rank in nodes.ranks_on(nodes.node_rank)]
 
 
 def main(argv: Optional[list[str]] = None) -> None:

@@ -1,0 +1,122 @@
+"""``fullshard export`` and ``fullshard train --resume`` on bad checkpoints: one line, exit status 2, no
+traceback, and (for --resume) before any worker starts; on both frameworks' formats."""
+import importlib.util
+import os
+import subprocess
+import sys
+import time
+import uuid
+import warnings
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+from fullshard.core import manifest, shardfiles
+from fullshard.core.shardfiles import Piece
+from fullshard.core.tensorfile import Array
+from fullshard.torch.checkpoint import save_atomic, step_dir
+
+ROOT = Path(__file__).resolve().parent.parent
+RESUME = ["train", "--model", "tiny", "--batch-size", "4", "--nproc", "2", "--steps", "6", "--resume"]
+
+
+def fullshard(*args, timeout=120):
+    env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    return subprocess.run([sys.executable, "-m", "fullshard", *map(str, args)], cwd=ROOT, capture_output=True,
+                          text=True, timeout=timeout, env=env)
+
+
+def one_error_line(proc, command: str) -> str:
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert lines[0].startswith(f"fullshard {command}: error: "), lines[0]
+    return lines[0]
+
+
+def _state():
+    return {"model": {"w": torch.arange(12.0).reshape(3, 4)}, "step": 3}
+
+
+@pytest.fixture
+def torch_root(tmp_path):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        save_atomic(_state(), tmp_path / "ckpt", 3)
+    return tmp_path / "ckpt"
+
+
+def _flip_a_data_byte(directory: Path) -> str:
+    victim = next(p for p in sorted(directory.iterdir()) if p.suffix in (".distcp", ".safetensors"))
+    data = bytearray(victim.read_bytes())
+    data[-5] ^= 0x01
+    victim.write_bytes(bytes(data))
+    return victim.name
+
+
+def test_export_of_a_damaged_torch_checkpoint_is_one_line(torch_root, tmp_path):
+    name = _flip_a_data_byte(step_dir(torch_root, 3))
+    line = one_error_line(fullshard("export", step_dir(torch_root, 3), tmp_path / "out.pt"), "export")
+    assert f"checkpoint {step_dir(torch_root, 3)}, file {name}: does not match the SHA-256" in line
+    assert not (tmp_path / "out.pt").exists()
+
+
+def test_export_of_a_stock_dcp_checkpoint_needs_the_flag(tmp_path):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save(_state(), checkpoint_id=str(tmp_path / "stock"))
+    line = one_error_line(fullshard("export", tmp_path / "stock", tmp_path / "out.pt"), "export")
+    assert "has no fullshard.manifest.json" in line and "--without-manifest" in line
+    proc = fullshard("export", tmp_path / "stock", tmp_path / "out.pt", "--without-manifest")
+    assert proc.returncode == 0, proc.stderr
+    assert torch.equal(torch.load(tmp_path / "out.pt", weights_only=True)["w"], _state()["model"]["w"])
+
+
+def test_resume_from_a_damaged_checkpoint_is_one_line_before_any_worker_starts(torch_root, tmp_path):
+    name = _flip_a_data_byte(step_dir(torch_root, 3))
+    began = time.monotonic()
+    proc = fullshard(*RESUME, "--checkpoint-dir", torch_root, "--out", tmp_path / "run")
+    line = one_error_line(proc, "train")
+    assert f"--resume: checkpoint {step_dir(torch_root, 3)}, file {name}: does not match the SHA-256" in line
+    assert not (tmp_path / "run").exists(), "the job started"
+    assert time.monotonic() - began < 60
+
+
+def test_resume_with_no_checkpoint_is_one_line(tmp_path):
+    line = one_error_line(fullshard(*RESUME, "--checkpoint-dir", tmp_path / "none", "--out", tmp_path / "run"), "train")
+    assert f"--resume: no complete checkpoint under {tmp_path / 'none'}" in line
+
+
+# ---------------------------------------------------------------------- the MindSpore format (numpy only)
+def _mindspore_checkpoint(directory: Path) -> None:
+    """A 2-rank checkpoint of one (4, 3) parameter cut along dim 0, as save_checkpoint writes it."""
+    directory.mkdir(parents=True)
+    full = np.arange(12, dtype=np.float32).reshape(4, 3)
+    pieces = [Piece("model/w", (4, 3), "float32", 0, 2 * r, 2, Array(full[2 * r:2 * r + 2], "float32")) for r in (0, 1)]
+    for rank, piece in enumerate(pieces):
+        shardfiles.write_rank(directory, rank, [piece])
+    save_id = uuid.uuid4().hex
+    shardfiles.write_metadata(directory, 2, pieces[:1], save_id)
+    manifest.write(directory, shardfiles.FRAMEWORK, save_id)
+
+
+def test_export_of_a_damaged_mindspore_checkpoint_is_one_line(tmp_path):
+    _mindspore_checkpoint(tmp_path / "ckpt" / "step_3")
+    proc = fullshard("export", tmp_path / "ckpt" / "step_3", tmp_path / "ok.safetensors")
+    assert proc.returncode == 0, proc.stderr
+    name = _flip_a_data_byte(tmp_path / "ckpt" / "step_3")
+    line = one_error_line(fullshard("export", tmp_path / "ckpt" / "step_3", tmp_path / "out.safetensors"), "export")
+    assert f"file {name}: does not match the SHA-256" in line and not (tmp_path / "out.safetensors").exists()
+
+
+@pytest.mark.skipif(importlib.util.find_spec("mindspore") is None, reason="MindSpore is not installed")
+def test_mindspore_resume_from_a_damaged_checkpoint_is_one_line(tmp_path):
+    _mindspore_checkpoint(tmp_path / "ckpt" / "step_3")
+    (tmp_path / "ckpt" / "step_3" / shardfiles.METADATA_FILE).write_bytes(b"{}")
+    proc = fullshard(*RESUME, "--framework", "mindspore", "--checkpoint-dir", tmp_path / "ckpt",
+                     "--out", tmp_path / "run")
+    line = one_error_line(proc, "train")
+    assert f"--resume: checkpoint {tmp_path / 'ckpt' / 'step_3'}, file {shardfiles.METADATA_FILE}: is 2 bytes" in line
+    assert not (tmp_path / "run").exists(), "the job started"
