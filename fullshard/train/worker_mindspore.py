@@ -89,8 +89,8 @@ def _record_placement(result: RankResult, model, nodes: Nodes) -> None:
     """Where this rank ran, and the groups its parameters are really sharded and replicated over."""
     from fullshard.mindspore.param import sharded_param_of
 
-    reducer = sharded_param_of(model.trainable_params()[0]).group.reducer
-    shard, replica = reducer.comm, reducer.replica
+    group = sharded_param_of(model.trainable_params()[0]).group
+    shard, replica = group.comm, group.replica
     result.node, result.host, result.launcher_pid = nodes.node_rank, socket.gethostname(), os.getppid()
     result.mesh_shape = [replica.size, shard.size] if replica is not None else [shard.size]
     result.placements = f"shards over {shard.size} ranks" + (
