@@ -1,7 +1,7 @@
 """Regression scenarios for the seed's bug class (issue 2), on 2 gloo ranks.
 
 The runtime is observed from outside: which tensors it borrows and allocates
-(by wrapping ``fullshard.buffers``) and which gradients autograd handed it
+(by wrapping ``fullshard.torch.buffers``) and which gradients autograd handed it
 (by wrapping ``ShardedParam.take_unsharded_grad``).
 """
 from __future__ import annotations

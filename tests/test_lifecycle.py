@@ -5,7 +5,7 @@ import threading
 import pytest
 
 from fullshard.core.lifecycle import (
-    STATE_ATTR, TRANSITIONS, GatherState, Group, Root, TrainingPhase, Unit, distinct_units,
+    GATHER_TRANSITIONS, STATE_ATTR, TRANSITIONS, GatherState, Group, Root, TrainingPhase, Unit, distinct_units,
 )
 from fullshard.plan.strategy import AfterBackward, Strategy
 
@@ -108,6 +108,30 @@ class FakeUnit(Unit):
             for index, child in enumerate(module.children):
                 yield from walk(child, f"{path}.{index}" if path else str(index))
         return walk(self.module, "")
+
+
+def _recorded(attr: str, moves: list):
+    """A property standing in for ``attr`` that records every (from, to) move that changes it."""
+    key = f"_recorded_{attr}"
+
+    def set_value(obj, value):
+        old = obj.__dict__.get(key)
+        if old is not None and old is not value:
+            moves.append((old, value))
+        obj.__dict__[key] = value
+    return property(lambda obj: obj.__dict__[key], set_value)
+
+
+@pytest.fixture(autouse=True)
+def every_move_is_a_listed_transition(monkeypatch):
+    """Every test here records each change of a unit's phase and a group's gather state; after the test, each
+    one must be a row of TRANSITIONS / GATHER_TRANSITIONS (what docs/design.md draws)."""
+    phase_moves, gather_moves = [], []
+    monkeypatch.setattr(FakeUnit, "phase", _recorded("phase", phase_moves), raising=False)
+    monkeypatch.setattr(FakeGroup, "state", _recorded("state", gather_moves), raising=False)
+    yield phase_moves, gather_moves
+    assert set(phase_moves) <= {(a, b) for a, _, b in TRANSITIONS}, phase_moves
+    assert set(gather_moves) <= {(a, b) for a, _, b in GATHER_TRANSITIONS}, gather_moves
 
 
 def model(log, strategy=Strategy.OPTIM_GRADS_PARAMS, after=AfterBackward.RESHARD, **kwargs):
@@ -309,6 +333,30 @@ def test_abandoning_a_step_drops_reductions_and_shows_the_shards():
     assert root.context.end_of_backward_queued is False
 
 
+def test_moves_outside_the_usual_step_are_listed_too(every_move_is_a_listed_transition):
+    """A pipeline schedule reduces accumulated gradients outside a backward (IDLE -> POST_BACKWARD), and a
+    gather that raises abandons the step from PRE_FORWARD; both are rows of TRANSITIONS."""
+    phase_moves, _ = every_move_is_a_listed_transition
+    log = []
+    root, blocks = model(log)
+    forward(root, blocks)
+    backward(root, blocks)
+    blocks[0].groups[0].grads = 1
+    blocks[0].reduce_accumulated_grads()
+    assert (TrainingPhase.IDLE, TrainingPhase.POST_BACKWARD) in phase_moves and "reduce block0" in log
+
+    def failing_gather():
+        raise RuntimeError("the transfer failed")
+    blocks[1].groups[0]._start_gather = failing_gather
+    assert root.enter_root_forward()
+    root.pre_forward(prefetch=False)
+    with pytest.raises(RuntimeError, match="transfer failed"):
+        blocks[1].pre_forward(prefetch=False)
+    root.reset_step()
+    assert (TrainingPhase.PRE_FORWARD, TrainingPhase.IDLE) in phase_moves
+    assert all(u.phase is TrainingPhase.IDLE and u.groups[0].state is GatherState.SHARDED for u in [root, *blocks])
+
+
 def test_a_forward_from_another_thread_during_backward_is_refused_and_the_same_thread_starts_clean():
     log = []
     root, blocks = model(log)
@@ -349,8 +397,23 @@ def test_a_root_adopts_the_units_below_it_once_and_a_disagreement_undoes_it():
 
 
 def test_every_transition_is_a_move_between_named_phases():
-    phases = {phase for move in TRANSITIONS for phase in (move[0], move[2])}
-    assert phases == set(TrainingPhase)
+    assert {phase for move in TRANSITIONS for phase in (move[0], move[2])} == set(TrainingPhase)
+    assert {state for move in GATHER_TRANSITIONS for state in (move[0], move[2])} == set(GatherState)
+
+
+def test_the_recorder_sees_the_moves_of_a_step(every_move_is_a_listed_transition):
+    """The fixture's recorder is live: one ZeRO-3 step goes through every phase of a unit and every gather
+    state."""
+    phase_moves, gather_moves = every_move_is_a_listed_transition
+    log = []
+    root, blocks = model(log)
+    forward(root, blocks)
+    backward(root, blocks)
+    assert {(TrainingPhase.IDLE, TrainingPhase.PRE_FORWARD), (TrainingPhase.FORWARD, TrainingPhase.IDLE),
+            (TrainingPhase.PRE_BACKWARD, TrainingPhase.POST_BACKWARD),
+            (TrainingPhase.POST_BACKWARD, TrainingPhase.IDLE)} <= set(phase_moves)
+    assert {(GatherState.SHARDED, GatherState.UNSHARDING), (GatherState.UNSHARDING, GatherState.UNSHARDED),
+            (GatherState.UNSHARDED, GatherState.SHARDED)} == set(gather_moves)
 
 
 def test_a_unit_outside_the_roots_modules_joins_the_active_root_and_one_alone_is_its_own_root():

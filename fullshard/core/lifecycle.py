@@ -16,7 +16,7 @@ Phases of a unit (:class:`TrainingPhase`) and the events that move it
     IDLE --pre-forward--> PRE_FORWARD --gathered--> FORWARD --post-forward--> IDLE
     IDLE --pre-backward--> PRE_BACKWARD --post-backward--> POST_BACKWARD --end of backward--> IDLE
 
-and of a group's parameters (:class:`GatherState`)::
+and of a group's parameters (:class:`GatherState`, :data:`GATHER_TRANSITIONS`)::
 
     SHARDED --unshard--> UNSHARDING --wait--> UNSHARDED --reshard (free) | mark stale (keep storage)--> SHARDED
 
@@ -53,7 +53,8 @@ class GatherState(enum.Enum):
     UNSHARDED = "unsharded"
 
 
-# (from, event, to): every move of a unit's phase this module makes; docs/design.md draws it.
+# (from, event, to): every move of a unit's phase this module makes (tests/test_lifecycle.py records each move
+# of every scenario against it); docs/design.md draws it, and a test keeps the drawing equal to it.
 TRANSITIONS = (
     (TrainingPhase.IDLE, "pre-forward (gather)", TrainingPhase.PRE_FORWARD),
     (TrainingPhase.PRE_FORWARD, "gathered", TrainingPhase.FORWARD),
@@ -61,8 +62,18 @@ TRANSITIONS = (
     (TrainingPhase.IDLE, "pre-backward (gather again)", TrainingPhase.PRE_BACKWARD),
     (TrainingPhase.PRE_BACKWARD, "post-backward (reduce, reshard)", TrainingPhase.POST_BACKWARD),
     (TrainingPhase.POST_BACKWARD, "pre-backward (another use)", TrainingPhase.PRE_BACKWARD),
+    (TrainingPhase.IDLE, "gradients reduced outside a backward pass", TrainingPhase.POST_BACKWARD),
     (TrainingPhase.POST_BACKWARD, "end of backward", TrainingPhase.IDLE),
     (TrainingPhase.PRE_BACKWARD, "end of backward", TrainingPhase.IDLE),
+    *((phase, "abandon the step", TrainingPhase.IDLE) for phase in TrainingPhase if phase is not TrainingPhase.IDLE),
+)
+
+# The same for a group's parameters (GatherState).
+GATHER_TRANSITIONS = (
+    (GatherState.SHARDED, "unshard (issue the gathers)", GatherState.UNSHARDING),
+    (GatherState.UNSHARDING, "wait", GatherState.UNSHARDED),
+    (GatherState.UNSHARDED, "reshard (free) or mark stale (keep the storage)", GatherState.SHARDED),
+    (GatherState.UNSHARDING, "abandon the step", GatherState.SHARDED),
 )
 
 

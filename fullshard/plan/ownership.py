@@ -6,7 +6,7 @@ it to 0. Here the decision "owned or borrowed" is made once, by these pure
 functions, from facts about the path (is a cast needed? padding? several
 parameters in one buffer?), never by comparing pointers at run time.
 
-Rules the runtime follows (``fullshard.buffers`` enforces them in debug mode):
+Rules the runtime follows (``fullshard.core.buffers`` enforces them under FULLSHARD_CHECK_OWNERSHIP=1):
 
 * OWNED storage was allocated by fullshard (``empty``, a cast to another dtype,
   a concatenation, padding). Only owned storage may be resized or written in place.
