@@ -100,9 +100,11 @@ def _worker(target: str, out: str) -> None:
     import mindspore as ms
     from mindspore.communication import get_rank, init
 
+    from fullshard.mindspore.cpu import configure_cpu_worker
+
     ms.set_context(mode=ms.PYNATIVE_MODE)
     ms.set_device("CPU")
-    ms.device_context.cpu.op_tuning.threads_num(1)
+    configure_cpu_worker()  # what fullshard train and the benchmark run with
     init()
     path = Path(out, f"rank{get_rank()}.json")
     module_name, _, func_name = target.partition(":")

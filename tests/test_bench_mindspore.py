@@ -34,7 +34,7 @@ def test_every_contender_is_timed_in_paired_rounds(bench):
     assert list(config["libraries"]) == [label for label, _ in CONTENDERS]
     for lib in config["libraries"].values():
         assert len(lib["step_s"]["rounds"]) == ROUNDS and all(t > 0 for t in lib["step_s"]["rounds"])
-    for pair in ("fullshard:zero3/dp", "fullshard:zero2/dp"):
+    for pair in ("fullshard:zero3/dp", "fullshard:zero2/dp", "fullshard:zero1/dp"):
         ratio = config["ratios"][pair]
         assert 0 < ratio["min"] <= ratio["median"] <= ratio["max"]
 
@@ -60,6 +60,24 @@ def test_bytes_next_to_the_minimum_and_the_cpu_emulation(bench):
         assert lib["sent_per_step"] == pytest.approx(lib["carried_sent_per_step"])
         assert lib["sent_per_step"] >= lib["theory_sent_per_step"]
     assert libraries["fullshard:zero3"]["carried_sent_per_step"] > libraries["fullshard:zero3"]["theory_sent_per_step"]
+
+
+def test_collectives_per_step_and_the_time_waiting_in_them(bench):
+    """Unfused (the default), every gradient is reduced alone, as data parallel's reducer does: the same number
+    of reductions for every strategy; ZeRO-3 gathers again in backward, ZeRO-1/2 gather once per step."""
+    summary, markdown, _ = bench
+    libraries = summary["configurations"][0]["libraries"]
+    calls = {label: lib["collectives_per_step"] for label, lib in libraries.items()}
+    gradients = calls["dp"]["all_reduce"]
+    assert gradients > 0 and calls["dp"]["all_gather"] == 0
+    for label in ("fullshard:zero3", "fullshard:zero2", "fullshard:zero1"):
+        assert calls[label]["all_reduce"] == gradients, (label, calls)
+    assert calls["fullshard:zero1"]["all_gather"] == calls["fullshard:zero2"]["all_gather"] == gradients
+    assert gradients < calls["fullshard:zero3"]["all_gather"] < 2 * gradients  # the root is gathered once
+    for lib in libraries.values():
+        wait = lib["collective_wait_s_rank0"]
+        assert 0 < wait["median"] < lib["step_s"]["max"]
+    assert "collectives/step" in markdown
 
 
 def test_same_model_and_batches_for_every_contender(bench):

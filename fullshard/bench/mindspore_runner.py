@@ -1,5 +1,5 @@
-"""The MindSpore benchmark (``fullshard bench --framework mindspore``): fullshard.mindspore ZeRO-3 and ZeRO-2
-against MindSpore's own data parallel, on msrun workers.
+"""The MindSpore benchmark (``fullshard bench --framework mindspore``): fullshard.mindspore ZeRO-3, ZeRO-2 and
+ZeRO-1 against MindSpore's own data parallel, on msrun workers.
 
 Every contender trains its own copy of the same seeded GPT Cell
 (``fullshard/models/gpt_mindspore.py``) with ``nn.AdamWeightDecay`` on the
@@ -7,14 +7,18 @@ same batches:
 
 - ``fullshard:zero3``: ``fully_shard`` per layer and at the root (``optim_grads_params``);
 - ``fullshard:zero2``: the same with ``strategy="optim_grads"``;
+- ``fullshard:zero1``: the same with ``strategy="optim"`` (one reduction pass at the end of backward);
 - ``dp``: the plain Cell, its gradients averaged by ``nn.DistributedGradReducer``
   (one all-reduce per gradient), MindSpore's data parallel in PyNative.
 
 Per contender, untimed: build, one warm-up step, one measured step (model
-state by tensor, fullshard's meter, bytes, peak RSS). Then interleaved timed
+state by tensor, fullshard's meter, bytes, peak RSS, collectives issued). Then interleaved timed
 rounds: one step of each contender per round, the order rotated, all ranks
 released together; a round's time is the slowest rank's (gathered at the end),
-and ratios are medians of per-round ratios (``common.paired_ratios``).
+and ratios are medians of per-round ratios (``common.paired_ratios``). Each
+timed step also records the seconds this rank spent inside collectives
+(``fullshard.core.traffic.timed``; for data parallel, the reducer's call):
+mccl blocks, so that is the wait a schedule can hide or remove.
 """
 from __future__ import annotations
 
@@ -43,7 +47,8 @@ os.environ.setdefault("GLOG_v", "3")
 # PyNative runs op by op: the torch benchmark's 14M GPT would take minutes per round. The project's small GPT.
 MODELS = {"default": MODEL_SIZES["small"], "tiny": GPTConfig(vocab_size=256, seq_len=32, d_model=64, n_layers=2,
                                                               n_heads=4)}
-CONTENDERS = (("fullshard:zero3", "optim_grads_params"), ("fullshard:zero2", "optim_grads"), ("dp", "no_shard"))
+CONTENDERS = (("fullshard:zero3", "optim_grads_params"), ("fullshard:zero2", "optim_grads"), ("fullshard:zero1", "optim"),
+              ("dp", "no_shard"))
 OPTIONS_FILE, FOLLOWED = "options.json", "rank0.log"
 
 
@@ -69,6 +74,7 @@ class Trainer:
 
         self._grad = ms.value_and_grad(lambda x, y: self.model.loss(x, y), None, self.optimizer.parameters)
         self.last_grads = ()
+        self.reducer_s = 0.0  # dp: the seconds of the last step's gradient averaging (its collectives)
 
     def step(self, batch: tuple[np.ndarray, np.ndarray]) -> float:
         import mindspore as ms
@@ -77,7 +83,10 @@ class Trainer:
         tokens, targets = (Tensor(b.astype(np.int32)) for b in batch)
         loss, grads = self._grad(tokens, targets)
         if self.reducer is not None:
+            began = time.perf_counter()
             grads = self.reducer(grads)
+            ms.runtime.synchronize()
+            self.reducer_s = time.perf_counter() - began
         self.optimizer(grads)
         self.last_grads = grads
         value = float(loss.asnumpy())
@@ -90,8 +99,12 @@ class Trainer:
         names = {p.name for p in params}
         own = {id(p) for p in params}
         optim = [p for p in self.optimizer.get_parameters() if id(p) not in own and p.name.partition(".")[2] in names]
-        return {"params": sum(p.nbytes for p in params), "grads": sum(g.nbytes for g in self.last_grads),
-                "optim": sum(p.nbytes for p in optim)}
+        grads = sum(g.nbytes for g in self.last_grads)
+        if self.strategy == "optim":  # ZeRO-1 holds the unsharded gradients until the end of backward
+            from fullshard.mindspore import memory_report
+
+            grads = memory_report(self.model, self.optimizer)["measured"]["grads_in_backward"]
+        return {"params": sum(p.nbytes for p in params), "grads": grads, "optim": sum(p.nbytes for p in optim)}
 
 
 def make_batch(cfg: GPTConfig, seed: int, step: int, rank: int, world: int, batch_size: int):
@@ -128,7 +141,7 @@ def _theory(trainer: Trainer, world: int, counts: dict) -> dict:
 
 
 def measure(label: str, strategy: str, options: dict, rank: int, world: int, counts: dict) -> tuple[Trainer, dict]:
-    from fullshard.core.traffic import reset_traffic, traffic_bytes
+    from fullshard.core.traffic import collective_calls, reset_traffic, traffic_bytes
     from fullshard.mindspore import comm_bytes, reset_peak_comm_bytes
 
     cfg = MODELS[options["model"]]
@@ -141,15 +154,18 @@ def measure(label: str, strategy: str, options: dict, rank: int, world: int, cou
     began = time.perf_counter()
     trainer.step(make_batch(cfg, options["seed"], 1, rank, world, options["batch_size"]))
     elapsed = time.perf_counter() - began
-    moved = traffic_bytes()
+    moved, calls = traffic_bytes(), collective_calls()
     if not trainer.sharded:  # the reducer's all-reduces: one per gradient, each its full size
         moved = {kind: 0 for kind in KINDS}
         moved["all_reduce"] = sum(g.nbytes for g in trainer.last_grads)
+        calls = {kind: 0 for kind in KINDS}
+        calls["all_reduce"] = len(trainer.last_grads)
     meter = comm_bytes()
     return trainer, {
         "state_bytes": trainer.state_bytes(),
         "theory": _theory(trainer, world, counts),
         "bytes_per_step": moved,
+        "collectives_per_step": calls,
         "comm_peak_bytes": meter["peak"] if trainer.sharded else None,
         "comm_live_bytes": meter["live"] if trainer.sharded else None,
         "rss_peak_bytes": peak_rss_bytes(), "rss_method": rss_method,
@@ -162,12 +178,14 @@ def worker(options_path: Path) -> None:
     from mindspore.communication import get_group_size, get_rank, init
 
     from fullshard.core.msrun import register_worker
+    from fullshard.core.traffic import collective_seconds, reset_traffic
+    from fullshard.mindspore.cpu import configure_cpu_worker
     from fullshard.models.gpt_mindspore import GPT, count_units
 
     options = json.loads(options_path.read_text())
     ms.set_context(mode=ms.PYNATIVE_MODE)
     ms.set_device("CPU")
-    ms.device_context.cpu.op_tuning.threads_num(options["threads"])
+    configure_cpu_worker(options["threads"], options["blocking_launch"])  # every contender alike
     init()
     rank, world = get_rank(), get_group_size()
     register_worker(rank)
@@ -181,20 +199,24 @@ def worker(options_path: Path) -> None:
     _say(rank, f"fullshard bench (mindspore): memory measured, timing {rounds} rounds")
     labels = [label for label, _ in CONTENDERS]
     times: dict[str, list[float]] = {label: [] for label in labels}
+    waits: dict[str, list[float]] = {label: [] for label in labels}
     losses: dict[str, list[float]] = {label: [] for label in labels}
     for step in range(rounds):
         batch = make_batch(cfg, options["seed"], 2 + step, rank, world, options["batch_size"])
         shift = step % len(labels)
         for label in labels[shift:] + labels[:shift]:
             _barrier()
+            reset_traffic()
             began = time.perf_counter()
             losses[label].append(trainers[label].step(batch))
             times[label].append(time.perf_counter() - began)
-    # a round's time is the slowest rank's
+            waits[label].append(sum(collective_seconds().values()) if trainers[label].sharded
+                                else trainers[label].reducer_s)
+    # a round's time is the slowest rank's; the wait is rank 0's
     slowest = _gather([t for label in labels for t in times[label]]).max(axis=0).reshape(len(labels), rounds)
     memories = {label: _gather_json(memory[label], label, rank, world) for label in labels}
     if rank == 0:
-        summary = summarize(options, counts, world, rounds, labels, slowest, memories, losses)
+        summary = summarize(options, counts, world, rounds, labels, slowest, memories, losses, waits)
         table = format_markdown_mindspore(summary)
         json_path, md_path = write_results(summary, table, Path(options["out_dir"]))
         _say(rank, f"{table}\nwrote {json_path} and {md_path}")
@@ -226,7 +248,8 @@ METHODS = {
         "each round; ratios are the median (min, max) of per-round ratios. Warm-up: one untimed step, then one "
         "measured (untimed for the ratios) step per contender."),
     "model_state": (
-        "bytes of this rank's parameters, of the gradients value_and_grad returned (dp: after the reducer) and of "
+        "bytes of this rank's parameters, of the gradients value_and_grad returned (dp: after the reducer; ZeRO-1: "
+        "the unsharded gradients it held until the end of backward, fullshard's meter) and of "
         "the optimizer's state per parameter (adam_m, adam_v), next to fullshard.plan.strategy.per_rank_theory "
         "(no_shard's formula for dp)."),
     "bytes": (
@@ -234,6 +257,10 @@ METHODS = {
         "the strategy's theoretical payload and to what the chosen collectives carry for it (the CPU emulation: "
         "reduce-scatter = all-reduce of the whole buffer, then this rank's chunk). dp: the bytes of the gradients "
         "the reducer all-reduces. Sent per rank: fullshard.plan.strategy.bytes_sent_per_rank of each."),
+    "collectives": (
+        "collectives per step: the calls fullshard's collectives made in the measured step (fullshard.core.traffic; "
+        "dp: one all-reduce per gradient). Wait: the median over timed steps of the wall seconds rank 0 spent "
+        "inside them (fullshard: around each blocking mccl call; dp: the reducer's call, synchronized)."),
     "memory": (
         "fullshard: its meter of owned storage (unsharded parameters, communication buffers), peak over the "
         "measured step; MindSpore's data parallel has no such meter. RSS: ru_maxrss after the contender's memory "
@@ -242,7 +269,7 @@ METHODS = {
 
 
 def summarize(options: dict, counts: dict, world: int, rounds: int, labels: list[str], slowest: np.ndarray,
-              memories: dict[str, list[dict]], losses: dict[str, list[float]]) -> dict:
+              memories: dict[str, list[dict]], losses: dict[str, list[float]], waits: dict[str, list[float]]) -> dict:
     import mindspore as ms
 
     import fullshard
@@ -258,6 +285,8 @@ def summarize(options: dict, counts: dict, world: int, rounds: int, labels: list
         libraries[label] = {
             "strategy": dict(CONTENDERS)[label],
             "step_s": {**spread(round_times), "rounds": round_times},
+            "collective_wait_s_rank0": spread(waits[label]),
+            "collectives_per_step": first["collectives_per_step"],
             "memory_per_rank": ranks,
             "bytes_per_step": first["bytes_per_step"],
             "theory_bytes_per_step": theory["traffic"],
@@ -270,12 +299,12 @@ def summarize(options: dict, counts: dict, world: int, rounds: int, labels: list
             "loss_last_round_rank0": losses[label][-1],
         }
     rounds_by_label = {label: lib["step_s"]["rounds"] for label, lib in libraries.items()}
-    ratios = paired_ratios(rounds_by_label, [("fullshard:zero3", "dp"), ("fullshard:zero2", "dp")])
+    ratios = paired_ratios(rounds_by_label, [(label, "dp") for label in labels if label != "dp"])
     return {
         "meta": {
             "framework": "mindspore", "date": datetime.date.today().isoformat(), "host": platform.node(),
             "command": options["command"], "device": "cpu", "backend": "mccl", "world_size": world,
-            "threads_per_rank": options["threads"], "mindspore": ms.__version__, "fullshard": fullshard.__version__,
+            "threads_per_rank": options["threads"], "blocking_launch": options["blocking_launch"], "mindspore": ms.__version__, "fullshard": fullshard.__version__,
             "model": options["model"], "model_config": asdict(MODELS[options["model"]]), **counts,
             "batch_per_rank": options["batch_size"], "rounds": rounds,
             "optimizer": "AdamWeightDecay(lr=3e-4, weight_decay=0.1), MindSpore defaults otherwise",
@@ -298,6 +327,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="fullshard bench --framework mindspore", description=__doc__.split("\n")[0])
     add_common_options(parser, MODELS)
     parser.add_argument("--threads", type=int, default=1, help="MindSpore op threads per worker (default 1)")
+    parser.add_argument("--async-launch", action="store_true",
+                        help="keep MindSpore's launch pipeline (queue threads) on; by default ops launch on the "
+                             "calling thread, for every contender (fullshard.mindspore.cpu)")
     parser.add_argument("--comm-fusion", action="store_true",
                         help="fully_shard(comm_fusion=True): small parameters of a unit share one collective")
     args = parser.parse_args(argv)
@@ -306,7 +338,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     options = {
         "nproc": args.nproc, "model": args.model, "rounds": args.rounds, "seed": args.seed,
         "budget": args.budget if args.budget is not None else DEFAULT_BUDGET_S[args.model],
-        "batch_size": args.batch_size, "threads": args.threads, "out_dir": str(out_dir),
+        "batch_size": args.batch_size, "threads": args.threads, "blocking_launch": not args.async_launch,
+        "out_dir": str(out_dir),
         "comm_fusion": args.comm_fusion,
         "command": " ".join(["fullshard bench", *argv]),
     }

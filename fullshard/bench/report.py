@@ -107,20 +107,21 @@ def format_markdown_mindspore(summary: dict) -> str:
     lines = header(
         "fullshard.mindspore vs MindSpore data parallel", meta,
         f"{meta['world_size']} msrun workers ({meta['backend']}, {meta['device']}, {meta['threads_per_rank']} op "
-        f"thread(s)/worker), GPT {meta['num_params'] / 1e6:.2f}M params, {meta['batch_per_rank']} sequences/worker, "
+        f"thread(s)/worker, {'blocking' if meta.get('blocking_launch') else 'asynchronous'} op launch), GPT {meta['num_params'] / 1e6:.2f}M params, {meta['batch_per_rank']} sequences/worker, "
         f"fp32, one untimed warm-up and one measured step before the timed rounds, MindSpore {meta['mindspore']}, "
         f"fullshard {meta['fullshard']}, comm_fusion={meta['comm_fusion']}, "
         f"ownership sanitizer {'ON' if meta['ownership_sanitizer'] else 'off'}.",
     ) + [
         "## Step time (median over rounds; ratios: median of per-round ratios, min-max)",
         "",
-        "| contender | strategy | rounds | step ms | / data parallel |",
-        "|---|---|---:|---:|---:|",
+        "| contender | strategy | rounds | step ms | / data parallel | collectives/step | waiting in them, ms |",
+        "|---|---|---:|---:|---:|---:|---:|",
     ]
     for label, lib in libraries.items():
         vs = config["ratios"].get(f"{label}/dp")
         lines.append(f"| {label} | `{lib['strategy']}` | {config['rounds']} | {lib['step_s']['median'] * 1e3:.0f} | "
-                     f"{ratio(vs) if vs else ''} |")
+                     f"{ratio(vs) if vs else ''} | {sum(lib['collectives_per_step'].values())} | "
+                     f"{lib['collective_wait_s_rank0']['median'] * 1e3:.0f} |")
     lines += section("Model state per rank, MiB (params + grads + optimizer state; largest rank), measured "
                      "(ZeRO formula)", "contender | params | grads | optimizer | total | formula total",
                      "|---|---:|---:|---:|---:|---:|")

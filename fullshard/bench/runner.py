@@ -24,7 +24,7 @@ Measured the same way for every library:
   process's peak RSS.
 
 Transient communication memory cannot be measured the same way for all:
-fullshard meters its own buffers (``fullshard.buffers.comm_bytes``); for FSDP2
+fullshard meters its own buffers (``fullshard.core.buffers.comm_bytes``); for FSDP2
 and DDP it is sampled (see :class:`CommSampler`).
 
 Results go to ``<out-dir>/<date>-<host>.json`` and ``.md``.
@@ -322,7 +322,7 @@ def measure_memory(contender: Contender, config: Configuration, run: Run) -> tup
     if sampler is None:
         comm_peak = buffers.comm_bytes()["peak"] - comm_base
         transient_peak = buffers.comm_bytes()["transient_peak"] - transient_base
-        comm_method = "fullshard.buffers.comm_bytes() peak (its own meter)"
+        comm_method = "fullshard.core.buffers.comm_bytes() peak (its own meter)"
     else:
         sampler.close()
         comm_peak, comm_method = sampler.peak, "sampled estimate (lower bound)"
@@ -352,7 +352,7 @@ def fit_rounds(step_seconds: list[float], budget_s: float, run: Run) -> int:
 
 def time_rounds(trainers: dict[str, Trainer], run: Run, rounds: int) -> dict[str, dict]:
     """Interleave the libraries step by step; return each one's times, bytes and losses on this rank."""
-    from fullshard.core.traffic import traffic as fullshard_traffic
+    from fullshard.core.traffic import reset_traffic, traffic as fullshard_traffic
 
     labels = list(trainers)
     results = {label: {"times": [], "bytes": [], "self_reported": [], "losses": []} for label in labels}
@@ -360,7 +360,7 @@ def time_rounds(trainers: dict[str, Trainer], run: Run, rounds: int) -> dict[str
         batch = make_batch(run, TIMED_BATCHES + step)
         shift = step % len(labels)  # rotate the order so that no library always goes first
         for label in labels[shift:] + labels[:shift]:
-            fullshard_traffic.clear()
+            reset_traffic()
             dist.barrier()
             with run.meter.counting() as moved:
                 began = time.perf_counter()
@@ -577,7 +577,7 @@ METHODS = {
         "where Linux allows; the process also holds the libraries built before it, so it ranks nothing"
     ),
     "comm": (
-        "fullshard: fullshard.buffers.comm_bytes()['peak'] over the measured step (owned communication storage, "
+        "fullshard: fullshard.core.buffers.comm_bytes()['peak'] over the measured step (owned communication storage, "
         "including the unsharded parameters, which are views of owned all-gather outputs). FSDP2: sampled after "
         "every collective and at each block's forward entry/exit: live storages passed to collectives this step "
         "(weakly held) plus every FSDPParam.all_gather_outputs (its unsharded parameters), minus parameter, "

@@ -14,7 +14,7 @@ from typing import Optional
 
 from mindspore import Tensor, mint, ops
 
-from fullshard.core.traffic import traffic
+from fullshard.core.traffic import count, timed
 from fullshard.mindspore import buffers
 from fullshard.plan import Exchange
 
@@ -48,8 +48,9 @@ def all_gather(exchange: Exchange, chunk: Tensor, comm: Comm, label: str) -> Ten
     if exchange is Exchange.LOCAL:
         return chunk.copy()
     if exchange is Exchange.COLLECTIVE:
-        out = _primitive("all_gather", comm.group)(chunk)
-        traffic["all_gather"] += out.nbytes
+        with timed("all_gather"):
+            out = _primitive("all_gather", comm.group)(chunk)
+        count("all_gather", out.nbytes)
         return out
     if exchange is not Exchange.ZERO_FILLED_ALL_REDUCE:
         raise ValueError(f"all-gather of {label}: the MindSpore runtime has no {exchange.value} exchange")
@@ -60,8 +61,9 @@ def all_gather(exchange: Exchange, chunk: Tensor, comm: Comm, label: str) -> Ten
     filled = buffers.adopt(mint.cat([p for p in parts if p.shape[0]]), f"zero-filled all-gather buffer of {label}",
                            (chunk,))
     try:
-        out = _primitive("all_reduce", comm.group)(filled.tensor)
-        traffic["all_reduce"] += out.nbytes
+        with timed("all_reduce"):
+            out = _primitive("all_reduce", comm.group)(filled.tensor)
+        count("all_reduce", out.nbytes)
     finally:
         filled.reclaim()
     return out
@@ -77,11 +79,13 @@ def reduce_scatter(exchange: Exchange, flat: Tensor, comm: Comm) -> tuple[Tensor
     if exchange is Exchange.LOCAL:
         return flat.copy(), 0
     if exchange is Exchange.COLLECTIVE:
-        out = _primitive("reduce_scatter", comm.group)(flat)
-        traffic["reduce_scatter"] += flat.nbytes
+        with timed("reduce_scatter"):
+            out = _primitive("reduce_scatter", comm.group)(flat)
+        count("reduce_scatter", flat.nbytes)
         return out, 0
-    out = _primitive("all_reduce", comm.group)(flat)
-    traffic["all_reduce"] += out.nbytes
+    with timed("all_reduce"):
+        out = _primitive("all_reduce", comm.group)(flat)
+    count("all_reduce", out.nbytes)
     return out, comm.rank * (flat.shape[0] // comm.size)
 
 
@@ -89,8 +93,9 @@ def all_reduce(flat: Tensor, comm: Comm) -> Tensor:
     """The sum of ``flat`` over the group, in new storage (a copy for a group of one)."""
     if comm.size == 1:
         return flat.copy()
-    out = _primitive("all_reduce", comm.group)(flat)
-    traffic["all_reduce"] += out.nbytes
+    with timed("all_reduce"):
+        out = _primitive("all_reduce", comm.group)(flat)
+    count("all_reduce", out.nbytes)
     return out
 
 

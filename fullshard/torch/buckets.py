@@ -13,7 +13,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from fullshard.core.traffic import traffic
+from fullshard.core.traffic import count
 from fullshard.plan import (
     BucketLayout, Exchange, GatherPlan, Ownership, ReducePlan, ShardedGrad, Unsharded, grad_copy_may_be_async,
     reduce_scratch_chunks,
@@ -180,7 +180,7 @@ def gather_bucket(
             _pack_local_chunks(source, bucket, params)
         work = collectives.all_gather(exchange, out, source, group, tag, input_in_place=in_place, comm=comm)
         if exchange is not Exchange.LOCAL:
-            traffic["all_gather"] += out.numel() * out.element_size()
+            count("all_gather", out.numel() * out.element_size())
     copy_out = output if plan.unsharded is Unsharded.OWN_STORAGE else None
     return PendingGather(work, version_guard, transient, copy_out, bucket, list(params), label)
 
@@ -188,7 +188,7 @@ def gather_bucket(
 def all_reduce_in_place(buffer: Owned, group: dist.ProcessGroup) -> None:
     """Sum an owned buffer across ``group`` (HSDP's replica all-reduce), waiting for it."""
     work = dist.all_reduce(buffer.writable("all-reduce in place"), op=dist.ReduceOp.SUM, group=group, async_op=True)
-    traffic["all_reduce"] += buffer.nbytes
+    count("all_reduce", buffer.nbytes)
     wait(work, f"replica all-reduce of {buffer.what}")
 
 
@@ -314,7 +314,7 @@ def reduce_bucket(
         if all_reduce:
             work = collectives.all_reduce_sum(exchange, source.writable("all-reduce in place"), group)
             if exchange is not Exchange.LOCAL:
-                traffic["all_reduce"] += source.nbytes
+                count("all_reduce", source.nbytes)
             return PendingReduce(work, [], source, bucket, plan, list(params), present, divide_factor, label)
         read = (*grads, source.tensor)  # what the reduction reads on this rank
         output = buffers.allocate(bucket.chunk_numel, reduce_dtype, device, f"reduce-scatter output of {label}",
@@ -329,5 +329,5 @@ def reduce_bucket(
             [buffer.writable("receive a peer's gradient chunk") for buffer in scratch], comm=comm,
         )
         if exchange is not Exchange.LOCAL:
-            traffic["reduce_scatter"] += source.tensor.numel() * source.tensor.element_size()
+            count("reduce_scatter", source.tensor.numel() * source.tensor.element_size())
     return PendingReduce(work, [source, *scratch], output, bucket, plan, list(params), present, divide_factor, label)

@@ -25,7 +25,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from fullshard.core.traffic import traffic
+from fullshard.core.traffic import count
 from fullshard.plan import Exchange, exchange_tag
 from fullshard.torch import buffers
 from fullshard.torch import collectives
@@ -127,5 +127,5 @@ def gather_extended(
             tag = exchange_tag(f"{label}#{index}", "all_gather")
             works.append(collectives.all_gather(exchange, out, borrowed[-1].tensor, group, tag))
             if exchange is not Exchange.LOCAL:
-                traffic["all_gather"] += out.numel() * out.element_size()
+                count("all_gather", out.numel() * out.element_size())
     return PendingExtensionGather(works, param, state, metadata, [t.shape for t in inputs], borrowed, label)

@@ -20,7 +20,7 @@ import torch.nn as nn
 
 from fullshard.core.procs import peak_rss_bytes
 from fullshard.plan.exchange import DEFAULT_BACKENDS
-from fullshard.core.traffic import traffic
+from fullshard.core.traffic import reset_traffic, traffic
 from fullshard.train import rollcall
 from fullshard.train.config import EVAL_BATCHES, RankResult, TrainConfig, learning_rate
 from fullshard.train.data import ByteCorpus
@@ -169,7 +169,7 @@ def _train_steps(cfg: TrainConfig, model, optimizer, corpus: ByteCorpus, seq_len
         if roll is not None:
             roll.step = step
         began = time.perf_counter()
-        traffic.clear()
+        reset_traffic()
         set_learning_rate(optimizer, cfg, step)
         tokens, targets = (torch.from_numpy(t).chunk(world)[rank].to(device)
                            for t in corpus.batch("train", cfg.seed, step, cfg.batch_size, seq_len))

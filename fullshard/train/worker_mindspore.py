@@ -41,9 +41,11 @@ os.environ.setdefault("GLOG_v", "3")  # MindSpore's own log: errors only (read w
 def _setup() -> None:
     import mindspore as ms
 
+    from fullshard.mindspore.cpu import configure_cpu_worker
+
     ms.set_context(mode=ms.PYNATIVE_MODE)
     ms.set_device("CPU")
-    ms.device_context.cpu.op_tuning.threads_num(1)
+    configure_cpu_worker()
 
 
 def build_model(cfg: TrainConfig):
