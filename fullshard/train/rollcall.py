@@ -18,6 +18,7 @@ from rank 0, through which the other ranks learn the hub's address.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import selectors
@@ -26,7 +27,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable, Iterator, Optional
 
 from fullshard.train.config import TrainConfig, last_checkpoint_hint
 from fullshard.train.nodes import describe_ranks, nodes_of
@@ -235,6 +236,20 @@ def start_for_job(cfg: TrainConfig, rank: int, world: int, share: Callable[[str]
 
     call = RollCall.start(rank, nodes.node_rank, world, share, nodes.master_addr, on_lost, timeout=cfg.timeout_s)
     return call
+
+
+@contextlib.contextmanager
+def watching(call: Optional[RollCall]) -> Iterator[None]:
+    """Run the job's training under its roll call: when it raises (a collective failed), wait for the roll
+    call to say whether ranks were lost, and which (it then exits); when it returns, end the roll call."""
+    try:
+        yield
+    except Exception:
+        if call is not None:
+            call.settle()
+        raise
+    if call is not None:
+        call.finish()
 
 
 def stop_for_lost_ranks(lost: dict[int, int], step: Optional[int], out_dir: str, say: bool, hint: str) -> None:

@@ -123,15 +123,8 @@ def run_rank(cfg: TrainConfig) -> list[dict]:
         dist.init_process_group(DEFAULT_BACKENDS[cfg.device], timeout=datetime.timedelta(seconds=cfg.timeout_s))
     rank, world = dist.get_rank(), dist.get_world_size()
     roll = rollcall.start_for_job(cfg, rank, world, _share_from_rank0)
-    try:
-        gathered = _train(cfg, rank, world, roll)
-    except Exception:
-        if roll is not None:  # a collective failed: if ranks were lost, say which (this then exits)
-            roll.settle()
-        raise
-    if roll is not None:
-        roll.finish()
-    return gathered
+    with rollcall.watching(roll):
+        return _train(cfg, rank, world, roll)
 
 
 def _train(cfg: TrainConfig, rank: int, world: int, roll) -> list[dict]:

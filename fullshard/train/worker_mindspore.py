@@ -163,15 +163,9 @@ def run_rank(cfg: TrainConfig, run_dir: Path) -> dict:
     rank, world = get_rank(), get_group_size()
     register_worker(rank)
     roll = rollcall.start_for_job(cfg, rank, world, _broadcast_text)
-    try:
+    with rollcall.watching(roll):
         result = _train(cfg, run_dir, rank, world, roll)
         everyone = _gather_results(result)
-    except Exception:
-        if roll is not None:  # a collective failed: if ranks were lost, say which (this then exits)
-            roll.settle()
-        raise
-    if roll is not None:
-        roll.finish()
     (run_dir / f"result_{rank}.json").write_text(json.dumps(result))
     if rank == 0:
         (run_dir / RESULTS_FILE).write_text(json.dumps(everyone))
