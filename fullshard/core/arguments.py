@@ -23,9 +23,9 @@ def check_modules(modules: Sequence[Any], name: str, *, is_module: Callable[[Any
             raise TypeError(f"fully_shard expects {kind}, got {type(module).__name__}")
         if is_container(module):
             raise ValueError(
-                f"fully_shard({type(module).__name__}): a container that does not implement {forward} is never "
-                f"called, so its parameters would never be gathered; shard the {word}s it holds, or pass them as "
-                "a list to form one group: fully_shard(list(container), ...)"
+                f"fully_shard does not support containers that do not implement {forward}: "
+                f"{type(module).__name__} is never called, so its parameters would never be gathered; shard the "
+                f"{word}s it holds, or pass them as a list to form one group: fully_shard(list(container), ...)"
             )
         if hasattr(module, STATE_ATTR):
             raise applied_twice(
