@@ -55,7 +55,11 @@ def main(argv=None) -> int:
     missing = [str(f) for f in files if not f.is_file()]
     if missing:
         parser.error(f"no such upstream file: {missing}")
-    driver.run(args, files)
+    # Each pytest process runs in its file's folder: relative paths given here would not resolve there.
+    for name in ("out", "deps", "fullshard_path"):
+        if getattr(args, name):
+            setattr(args, name, str(Path(getattr(args, name)).resolve()))
+    driver.run(args, [f.resolve() for f in files])
     return 0
 
 
