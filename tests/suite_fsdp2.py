@@ -1,7 +1,7 @@
 """FSDP2 behaviours that PyTorch's own FSDP2 tests found fullshard lacking (issue 16), as scenarios of ours.
 
 Run by tests/test_fsdp2.py on 2 gloo ranks. PyTorch's suite itself is run by
-tools/fsdp2_suite.py (never committed); docs/fsdp2-compatibility.md has its table.
+`python tools/fsdp2_suite` (its upstream files are never committed); docs/fsdp2-compatibility.md has its table.
 """
 from __future__ import annotations
 
