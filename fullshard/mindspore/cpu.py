@@ -13,11 +13,10 @@ stays on there.
 from __future__ import annotations
 
 
-def configure_cpu_worker(op_threads: int = 1, blocking_launch: bool = True) -> dict:
-    """Set this process's MindSpore CPU budget (call before the first op); returns what was set."""
+def configure_cpu_worker(op_threads: int = 1, blocking_launch: bool = True) -> None:
+    """Set this process's MindSpore CPU budget (call before the first op)."""
     import mindspore as ms
 
     ms.device_context.cpu.op_tuning.threads_num(op_threads)
     if blocking_launch:
         ms.runtime.launch_blocking()
-    return {"op_threads": op_threads, "blocking_launch": blocking_launch}
