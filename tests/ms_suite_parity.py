@@ -164,6 +164,23 @@ def reduce_op_sum():
     return run_parity(wrap=wrap, grad_scale=world()).as_dict()
 
 
+def divide_factor_per_cell():
+    """set_gradient_divide_factor(1.0) on every sharded cell sums the gradients; as in FSDP2 it sets the cell's
+    own groups only, so on the root alone the layers keep averaging."""
+    def wrap(net):
+        wrap_layers(net)
+        for _, cell in net.cells_and_names():
+            if isinstance(cell, fs.FSDPModule):
+                cell.set_gradient_divide_factor(1.0)
+    summed = run_parity(wrap=wrap, grad_scale=world()).as_dict()
+    root_only = wrap_layers(init_numpy(TinyLM()))
+    root_only.set_gradient_divide_factor(1.0)
+    factors = {name or "root": [g.divide_factor for g in cell._fullshard_state.groups]
+               for name, cell in root_only.cells_and_names() if isinstance(cell, fs.FSDPModule)}
+    assert factors.pop("root") == [1.0] and factors and all(f == [None] for f in factors.values()), factors
+    return summed
+
+
 def fp16_compute_fp32_reduce():
     """fp16 gathers and compute, fp32 reductions: fp32 gradients, within fp16 rounding of the fp32 run."""
     mp = fs.MixedPrecisionPolicy(param_dtype=ms.float16, reduce_dtype=ms.float32)
@@ -475,6 +492,7 @@ def suite():
         "concatenated_params": concatenated_params,
         "grad_accumulation_no_sync": grad_accumulation_no_sync,
         "reduce_op_sum": reduce_op_sum,
+        "divide_factor_per_cell": divide_factor_per_cell,
         "fp16_compute_fp32_reduce": fp16_compute_fp32_reduce,
         "main_grad": main_grad,
         "main_grad_low_precision_storage": main_grad_low_precision_storage,

@@ -149,7 +149,9 @@ def found_as_torch_fsdp_modules():
     assert isinstance(projector.weight, DTensor)
     with pytest.warns(FutureWarning, match="set_gradient_divide_factor"):
         model.set_reduce_scatter_divide_factor(2.0)
-    assert model.layers[0]._fullshard_state.group.divide_factor == 2.0
+    # as in FSDP2: the module's own group only
+    assert model._fullshard_state.group.divide_factor == 2.0
+    assert model.layers[0]._fullshard_state.group.divide_factor is None
     model.set_force_sum_reduction_for_comms(True)
 
     # Slicing a sharded Sequential builds the original class, as in FSDP2.

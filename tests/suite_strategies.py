@@ -9,7 +9,7 @@ import torch.distributed as dist
 import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from fullshard import MixedPrecisionPolicy
+from fullshard import FSDPModule, MixedPrecisionPolicy
 from fullshard.plan.strategy import Strategy
 from fullshard.core.traffic import traffic
 from tests.parity import build_gpt, gpt_batch, gpt_loss, mesh_1d, run_parity, shard_blocks_then_root
@@ -108,19 +108,29 @@ def _mean_across_ranks(tensor):
 
 
 def divide_factor_one_sums_gradients():
-    """set_gradient_divide_factor(1.0) turns the average into a sum (works on gloo: no PREMUL_SUM)."""
+    """set_gradient_divide_factor(1.0) turns the average into a sum (works on gloo: no PREMUL_SUM). As in
+    FSDP2 it sets the module's own group only: clients call it on every FSDPModule; on the root alone the
+    blocks keep averaging."""
     mesh = mesh_1d()
     rank, world = dist.get_rank(), dist.get_world_size()
-    torch.manual_seed(0)
-    averaged = shard_blocks_then_root(build_gpt(), mesh=mesh)
-    torch.manual_seed(0)
-    summed = shard_blocks_then_root(build_gpt(), mesh=mesh)
-    summed.set_gradient_divide_factor(1.0)
+    models = {}
+    for label in ("averaged", "summed", "root only"):
+        torch.manual_seed(0)
+        models[label] = shard_blocks_then_root(build_gpt(), mesh=mesh)
+    for module in models["summed"].modules():
+        if isinstance(module, FSDPModule):
+            module.set_gradient_divide_factor(1.0)
+    models["root only"].set_gradient_divide_factor(1.0)
     batch = tuple(t.chunk(world)[rank] for t in gpt_batch(0, 4))
-    gpt_loss(averaged, batch).backward()
-    gpt_loss(summed, batch).backward()
-    for (name, a), s in zip(averaged.named_parameters(), summed.parameters()):
-        torch.testing.assert_close(s.grad.full_tensor(), a.grad.full_tensor() * world, msg=name)
+    for model in models.values():
+        gpt_loss(model, batch).backward()
+    named = {label: dict(model.named_parameters()) for label, model in models.items()}
+    for name, a in named["averaged"].items():
+        torch.testing.assert_close(named["summed"][name].grad.full_tensor(), a.grad.full_tensor() * world, msg=name)
+        root_param = not name.startswith("layers.")
+        factor = world if root_param else 1
+        torch.testing.assert_close(named["root only"][name].grad.full_tensor(), a.grad.full_tensor() * factor,
+                                   msg=name)
     return True
 
 

@@ -84,10 +84,11 @@ class FSDPModule:
         self._fullshard_state.backward_prefetch = [_state_of(m, "set_modules_to_backward_prefetch") for m in modules]
 
     def set_gradient_divide_factor(self, factor: float) -> None:
-        """Divide reduced gradients by ``factor`` instead of the data-parallel size (1.0 gives a sum)."""
+        """Divide this cell's reduced gradients by ``factor`` instead of the data-parallel size (1.0 gives a
+        sum). Its own parameters only, as on torch (FSDP2): call it on every sharded cell to change them all."""
         if not factor > 0:
             raise ValueError(f"gradient divide factor must be > 0, got {factor}")
-        self._configure(True, divide_factor=float(factor))
+        self._configure(False, divide_factor=float(factor))
 
     def set_reduce_op_type(self, op: str) -> None:
         """"avg" (the default: the mean over data-parallel ranks) or "sum"."""

@@ -128,10 +128,11 @@ class FSDPModule(torch_fsdp.FSDPModule):
         self._fullshard_state.backward_prefetch = [_state_of(m, "set_modules_to_backward_prefetch") for m in modules]
 
     def set_gradient_divide_factor(self, factor: float) -> None:
-        """Divide reduced gradients by ``factor`` instead of the world size (1.0 gives a sum)."""
+        """Divide this module's reduced gradients by ``factor`` instead of the world size (1.0 gives a sum).
+        Its own parameters only, as in FSDP2: call it on every FSDPModule to change them all."""
         if not factor > 0:
             raise ValueError(f"gradient divide factor must be > 0, got {factor}")
-        self._configure(True, divide_factor=float(factor))
+        self._configure(False, divide_factor=float(factor))
 
     def set_reduce_scatter_divide_factor(self, factor: float) -> None:
         """Deprecated in FSDP2 in favour of :meth:`set_gradient_divide_factor`, which it calls."""
