@@ -22,7 +22,7 @@ from fullshard.core.traffic import reset_traffic, traffic_bytes
 from fullshard.mindspore import buffers
 from fullshard.mindspore.group import ParamGroup
 from fullshard.mindspore.policies import dtype_bytes
-from fullshard.plan import Unsharded
+from fullshard.plan import DEFAULT_FUSE_BELOW_NUMEL, Unsharded
 from fullshard.plan.backends import carried_traffic
 from fullshard.plan.strategy import Strategy, bytes_sent_per_rank, per_rank_theory
 from tests.ms_parity import (
@@ -226,12 +226,17 @@ LAYERS = 4  # enough that ZeRO-3, holding a unit and the one it prefetches, hold
 def byte_meter_zero3():
     """ZeRO-3 frees each unit's unsharded parameters after forward and gathers them again for its backward,
     prefetching the unit backward reaches next: bytes held after forward, at each unit's backward (with the
-    placeholders of the units whose backward is done, filled at the end), between steps."""
-    figures = {}
+    placeholders of the units whose backward is done, filled at the end), between steps. Measured with each
+    gradient reduced alone, so a unit's reduction frees its buffers before the next unit's backward; with
+    fusion (the default) the parameters' residency is the same and the peak is the one reduction batch at
+    the end of backward (this model is far below ``FUSE_REDUCTIONS_BELOW_BYTES``), which packs the whole
+    model's gradients."""
+    figures, nets = {}, {}
     base, _ = _baseline()
-    for label, reshard in (("zero3", None), ("reshard_after_forward=False", False)):
+    for label, reshard, fusion in (("zero3", None, False), ("reshard_after_forward=False", False, False),
+                                   ("zero3, fused", None, True)):
         net = init_numpy(TinyLM(layers=LAYERS))
-        wrap_layers(net, reshard_after_forward=reshard)
+        wrap_layers(net, reshard_after_forward=reshard, comm_fusion=fusion)
         samples = {}
         net.register_forward_hook(
             lambda cell, args, out: samples.__setitem__("after_forward", fs.comm_bytes()["live"] - base))
@@ -245,7 +250,8 @@ def byte_meter_zero3():
         samples["between_steps"] = fs.comm_bytes()["live"] - base
         samples["peak"] = fs.comm_bytes()["peak"] - base
         samples["gathered"] = traffic_bytes()["all_gather"]
-        figures[label] = samples
+        figures[label], nets[label] = samples, net
+    net = nets["zero3"]  # the sizes below are the unfused units'
     root = net._fullshard_state
     units = [layer._fullshard_state for layer in net.layers]
     root_bytes, layer_bytes = _unsharded_bytes(root), _unsharded_bytes(units[0])
@@ -261,6 +267,13 @@ def byte_meter_zero3():
     assert zero3["between_steps"] == 0 and kept["between_steps"] == 0
     assert kept["after_forward"] == root_bytes + LAYERS * layer_bytes, kept
     assert zero3["peak"] < kept["peak"], (zero3, kept)
+    fused = figures["zero3, fused"]
+    residency = ("after_forward", "between_steps", *(f"backward_layer{i}" for i in range(LAYERS)))
+    assert {k: fused[k] for k in residency} == {k: zero3[k] for k in residency}, (fused, zero3)
+    # the batch packs every gradient it reduces (here the whole model's) into one owned buffer: that is what
+    # fusion costs at its peak, and all it costs
+    assert zero3["peak"] < fused["peak"] <= zero3["peak"] + kept["after_forward"], (fused, zero3, kept)
+    assert fused["gathered"] <= zero3["gathered"], (fused, zero3)  # fused buckets pad once, not per parameter
     # the root gathered once, each layer twice (forward, backward); without resharding once
     root_wire, layer_wire = gathered_bytes(root), gathered_bytes(units[0])
     assert zero3["gathered"] == root_wire + 2 * LAYERS * layer_wire, zero3
@@ -329,34 +342,49 @@ def strategy_memory():
 
 
 def zero_copy_count():
-    """The plan's zero-copy cases, counted: exactly the lone, unpadded, same-dtype parameters gather from
-    the shard itself and reduce straight from autograd's gradient; fusion or a cast leaves none."""
+    """The plan's zero-copy cases, counted: exactly the unpadded, same-dtype parameters that travel alone
+    gather from the shard itself and reduce straight from autograd's gradient. Without fusion that is
+    every even-dim-0 parameter; with fusion (the default) only those of at least the fusion threshold per
+    rank, the small ones sharing a packed buffer; a cast leaves no zero-copy gather."""
+    wide = DEFAULT_FUSE_BELOW_NUMEL * world() // 8  # fc1/fc2 weights (h x 8): one threshold's worth per rank
+    cases = {
+        "no fusion": (TinyLM, {"comm_fusion": False}, 0),
+        "default (fusion)": (TinyLM, {}, DEFAULT_FUSE_BELOW_NUMEL),
+        "default (fusion), wide layers": (lambda: TinyLM(h=wide), {}, DEFAULT_FUSE_BELOW_NUMEL),
+        "fp16 compute": (TinyLM, {"mp_policy": fs.MixedPrecisionPolicy(param_dtype=ms.float16)}, None),
+    }
     counts = {}
-    for label, kwargs in (("default", {}), ("comm_fusion", {"comm_fusion": True}),
-                          ("fp16 compute", {"mp_policy": fs.MixedPrecisionPolicy(param_dtype=ms.float16)})):
-        net = init_numpy(TinyLM())
+    for label, (build, kwargs, fuse_below) in cases.items():
+        net = init_numpy(build())
         wrap_layers(net, **kwargs)
         with observe() as seen:
             _step(net)
-        counts[label] = {
+        found = {
             "gather": sorted(w for w in seen["borrowed"] if w.startswith("all-gather input")),
             "reduce": sorted(w for w in seen["borrowed"] if w.startswith("reduce-scatter input")),
         }
-    # What the plan promises, derived here from the shapes alone: dim 0 divisible by the world size.
-    even = sorted(name for name, p in TinyLM().parameters_and_names() if p.shape[0] % world() == 0)
-    layer_names = [n for n in even if n.startswith("layers.")]
-    root_names = [n for n in even if not n.startswith("layers.")]
+        counts[label] = {k: len(v) for k, v in found.items()}
+        if fuse_below is None:
+            assert not found["gather"], "a cast allocates: no zero-copy gather"
+            continue
+        # What the plan promises, derived here from the shapes alone: dim 0 divisible by the world size, and
+        # the parameter's shard at least the fusion threshold (it travels alone)
+        alone = sorted(name for name, p in build().parameters_and_names()
+                       if p.shape[0] % world() == 0 and int(np.prod(p.shape)) // world() >= fuse_below)
+        layer_names = [n for n in alone if n.startswith("layers.")]
+        assert _param_names(found["reduce"]) == alone, (label, found["reduce"], alone)
+        assert _param_names(found["gather"]) == alone, (label, found["gather"], alone)
+        # ZeRO-3 gathers layers twice (forward, backward) and the root once; every gradient reduces once
+        assert len(found["gather"]) == 2 * len(layer_names) + len(alone) - len(layer_names), (label, found)
+        assert len(found["reduce"]) == len(alone), (label, found)
+        counts[label]["alone"] = len(alone)
+    assert counts["no fusion"]["reduce"] > 0 and counts["default (fusion)"]["reduce"] == 0
+    assert counts["default (fusion), wide layers"]["reduce"] == 2 * len(TinyLM().layers)  # fc1, fc2 weights
+    return counts
 
-    def names(whats):
-        return sorted({w.split("[", 1)[1].split("]", 1)[0] for w in whats})
-    assert names(counts["default"]["reduce"]) == even, (counts["default"]["reduce"], even)
-    assert names(counts["default"]["gather"]) == even
-    # ZeRO-3 gathers layers twice (forward, backward) and the root once; every gradient reduces once
-    assert len(counts["default"]["gather"]) == 2 * len(layer_names) + len(root_names)
-    assert len(counts["default"]["reduce"]) == len(even)
-    assert not counts["comm_fusion"]["gather"] and not counts["comm_fusion"]["reduce"]
-    assert not counts["fp16 compute"]["gather"], "a cast allocates: no zero-copy gather"
-    return {label: {k: len(v) for k, v in c.items()} for label, c in counts.items()} | {"even_params": len(even)}
+
+def _param_names(whats: list[str]) -> list[str]:
+    return sorted({w.split("[", 1)[1].split("]", 1)[0] for w in whats})
 
 
 def traffic_vs_theory():

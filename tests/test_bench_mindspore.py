@@ -9,6 +9,8 @@ import pytest
 pytest.importorskip("mindspore")
 
 from fullshard.bench.mindspore_runner import CONTENDERS  # noqa: E402
+from fullshard.models.config import GPTConfig  # noqa: E402
+from fullshard.models.gpt_mindspore import GPT  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 ROUNDS = 3
@@ -63,17 +65,23 @@ def test_bytes_next_to_the_minimum_and_the_cpu_emulation(bench):
 
 
 def test_collectives_per_step_and_the_time_waiting_in_them(bench):
-    """Unfused (the default), every gradient is reduced alone, as data parallel's reducer does: the same number
-    of reductions for every strategy; ZeRO-3 gathers again in backward, ZeRO-1/2 gather once per step."""
+    """With comm fusion (the default) each unit gathers once per pass (ZeRO-3 again in backward, the root
+    only once) and the whole tiny model's gradients, every one below the fusion threshold and together far
+    below the batch limit, are reduced in one collective per step; data parallel's reducer all-reduces every
+    gradient alone."""
     summary, markdown, _ = bench
-    libraries = summary["configurations"][0]["libraries"]
+    [config] = summary["configurations"]
+    model_config = summary["meta"]["model_config"]
+    assert summary["meta"]["comm_fusion"] is True
+    units = model_config["n_layers"] + 1  # every block, then the root
+    libraries = config["libraries"]
     calls = {label: lib["collectives_per_step"] for label, lib in libraries.items()}
-    gradients = calls["dp"]["all_reduce"]
-    assert gradients > 0 and calls["dp"]["all_gather"] == 0
+    assert calls["dp"]["all_reduce"] == len(GPT(GPTConfig(**model_config)).trainable_params())
+    assert calls["dp"]["all_gather"] == 0
     for label in ("fullshard:zero3", "fullshard:zero2", "fullshard:zero1"):
-        assert calls[label]["all_reduce"] == gradients, (label, calls)
-    assert calls["fullshard:zero1"]["all_gather"] == calls["fullshard:zero2"]["all_gather"] == gradients
-    assert gradients < calls["fullshard:zero3"]["all_gather"] < 2 * gradients  # the root is gathered once
+        assert calls[label]["all_reduce"] == 1, (label, calls)
+    assert calls["fullshard:zero1"]["all_gather"] == calls["fullshard:zero2"]["all_gather"] == units, calls
+    assert calls["fullshard:zero3"]["all_gather"] == 2 * units - 1, calls
     for lib in libraries.values():
         wait = lib["collective_wait_s_rank0"]
         assert 0 < wait["median"] < lib["step_s"]["max"]

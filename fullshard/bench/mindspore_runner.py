@@ -54,7 +54,7 @@ OPTIONS_FILE, FOLLOWED = "options.json", "rank0.log"
 
 # ---------------------------------------------------------------------- one contender
 class Trainer:
-    def __init__(self, label: str, strategy: str, cfg: GPTConfig, seed: int, world: int, fusion: bool = False) -> None:
+    def __init__(self, label: str, strategy: str, cfg: GPTConfig, seed: int, world: int, fusion: bool = True) -> None:
         from mindspore import nn
 
         from fullshard.mindspore import fully_shard
@@ -330,8 +330,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--async-launch", action="store_true",
                         help="keep MindSpore's launch pipeline (queue threads) on; by default ops launch on the "
                              "calling thread, for every contender (fullshard.mindspore.cpu)")
-    parser.add_argument("--comm-fusion", action="store_true",
-                        help="fully_shard(comm_fusion=True): small parameters of a unit share one collective")
+    parser.add_argument("--comm-fusion", action=argparse.BooleanOptionalAction, default=True,
+                        help="fully_shard(comm_fusion=...) for every fullshard contender (default on, as fully_shard's "
+                             "default); --no-comm-fusion reduces every gradient alone")
     args = parser.parse_args(argv)
     check_common_options(args, "fullshard bench")
     out_dir = Path(args.out_dir).resolve()

@@ -82,7 +82,7 @@ def fully_shard(
     ignored_params: Optional[Iterable[Parameter]] = None,
     replicate_params: Optional[Iterable[Parameter]] = None,
     strategy: Union[str, Strategy, None] = None,
-    comm_fusion: bool = False,
+    comm_fusion: bool = True,
 ) -> Union[nn.Cell, list[nn.Cell]]:
     """Shard ``cell``'s parameters across ``mesh`` (ZeRO-3 by default), in place; returns ``cell``.
 
@@ -98,7 +98,10 @@ def fully_shard(
       default), with ``fullshard.plan.strategy``'s meaning.
     * ``replicate_params`` stay whole on every rank, their gradients all-reduced;
       ``ignored_params`` are left alone.
-    * ``comm_fusion``: small parameters of one group share one collective, gathered and reduced.
+    * ``comm_fusion`` (default True): parameters below ``fullshard.plan.DEFAULT_FUSE_BELOW_NUMEL`` elements
+      per rank share a unit's gather, and their gradients share one reduction across the units whose
+      backward has completed; larger ones travel alone (zero copy where the plan allows). False: every
+      parameter alone, as the seed's library did.
 
     Everything is checked before anything changes: on an error the cells keep their class, parameters and
     hooks.
