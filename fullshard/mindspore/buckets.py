@@ -53,8 +53,8 @@ def pack_shards(bucket: BucketLayout, params: Sequence[ShardedParam], dtype: Any
 def _chunk_of(flat: Tensor, start: int, param: ShardedParam, length: int) -> Tensor:
     """The ``length`` rows (on the shard dim) of a padded chunk starting at ``start`` of a flat buffer: a view.
 
-    ``narrow``, not ``flat[a:b]``: in PyNative a slice index copies the slice (measured: 2.4 ms against
-    0.16 ms for a 216 KiB chunk on this CPU; docs/performance.md, "MindSpore").
+    ``narrow``, not ``flat[a:b]``: in PyNative a slice index copies the slice (a small-GPT block's buckets
+    unpack in about half the time this way: ``benchmarks/mindspore_unpack.py``, docs/performance.md).
     """
     layout = param.layout
     chunk = flat.narrow(0, start, layout.padded_chunk_numel).reshape(layout.padded_chunk_shape)
