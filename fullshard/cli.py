@@ -185,15 +185,17 @@ def _train_config(args):
         _require_transformers()
     if (args.resume or args.checkpoint_every) and not args.checkpoint_dir:
         raise UsageError("--resume and --checkpoint-every need --checkpoint-dir")
-    if args.resume:
-        _check_resumable(args.checkpoint_dir, args.framework)
-    return TrainConfig(
+    cfg = TrainConfig(
         model=args.model, hf_config=args.hf_config, strategy=args.strategy, mixed_precision=args.mixed_precision, grad_accum=args.grad_accum,
         steps=args.steps, batch_size=args.batch_size, lr=args.lr, seed=args.seed, data=args.data,
         checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every, resume=args.resume,
         out_dir=args.out, device=args.device, timeout_s=args.timeout, framework=args.framework,
         mesh=args.mesh, nodes=asdict(nodes),
     )
+    if cfg.resume:
+        _check_run_record(cfg)
+        _check_resumable(cfg.checkpoint_dir, cfg.framework)
+    return cfg
 
 
 def _rendezvous(nodes: Nodes) -> dict:
@@ -238,6 +240,16 @@ def _launch(cfg, nodes: Nodes) -> list[dict]:
             "Its traceback is printed above."
         ) from None
     return returned[min(returned)]  # keyed by global rank: on node k the first is k * nproc
+
+
+def _check_run_record(cfg) -> None:
+    """``--resume`` into checkpoints of another model (the directory's run record says which) is one line
+    before any worker starts, not a worker's traceback."""
+    from fullshard.train.config import run_record_mismatch
+
+    mismatch = run_record_mismatch(cfg)
+    if mismatch:
+        raise UsageError(f"--resume: {mismatch}")
 
 
 def _check_resumable(checkpoint_dir: str, framework: str) -> None:

@@ -1,6 +1,7 @@
 """``fullshard export`` and ``fullshard train --resume`` on bad checkpoints: one line, exit status 2, no
 traceback, and (for --resume) before any worker starts; on both frameworks' formats."""
 import importlib.util
+import json
 import os
 import subprocess
 import sys
@@ -18,6 +19,7 @@ from fullshard.core import manifest, shardfiles
 from fullshard.core.shardfiles import Piece
 from fullshard.core.tensorfile import Array
 from fullshard.torch.checkpoint import save_atomic, step_dir
+from fullshard.train.config import RUN_RECORD
 
 ROOT = Path(__file__).resolve().parent.parent
 RESUME = ["train", "--model", "tiny", "--batch-size", "4", "--nproc", "2", "--steps", "6", "--resume"]
@@ -87,6 +89,47 @@ def test_resume_from_a_damaged_checkpoint_is_one_line_before_any_worker_starts(t
 def test_resume_with_no_checkpoint_is_one_line(tmp_path):
     line = one_error_line(fullshard(*RESUME, "--checkpoint-dir", tmp_path / "none", "--out", tmp_path / "run"), "train")
     assert f"--resume: no complete checkpoint under {tmp_path / 'none'}" in line
+
+
+def _record(root: Path, **options) -> None:
+    (root / RUN_RECORD).write_text(json.dumps({"framework": "torch", "model": "tiny", "hf_config": None, **options}))
+
+
+@pytest.mark.parametrize("recorded, recorded_says, asked_says", [
+    ({"model": "small"}, "--model small", "--model tiny"),
+    ({"framework": "mindspore"}, "--framework mindspore", "--framework torch"),
+    ({"model": "small", "framework": "mindspore"}, "--framework mindspore, --model small",
+     "--framework torch, --model tiny"),
+])
+def test_resume_into_another_model_is_one_line_naming_the_options(torch_root, tmp_path, recorded, recorded_says,
+                                                                  asked_says):
+    _record(torch_root, **recorded)
+    line = one_error_line(fullshard(*RESUME, "--checkpoint-dir", torch_root, "--out", tmp_path / "run"), "train")
+    assert f"--resume: the checkpoints under {torch_root} hold a model trained with {recorded_says} (" in line, line
+    assert f"this run builds one with {asked_says}: pass the former" in line and "another --checkpoint-dir" in line
+    assert not (tmp_path / "run").exists(), "the job started"
+
+
+def test_a_damaged_run_record_is_refused_in_one_line(torch_root, tmp_path):
+    (torch_root / RUN_RECORD).write_text("[not, json")
+    line = one_error_line(fullshard(*RESUME, "--checkpoint-dir", torch_root, "--out", tmp_path / "run"), "train")
+    assert f"--resume: {torch_root / RUN_RECORD} is not a fullshard run record" in line
+    (torch_root / RUN_RECORD).write_text("[1, 2]")
+    line = one_error_line(fullshard(*RESUME, "--checkpoint-dir", torch_root, "--out", tmp_path / "run"), "train")
+    assert "not a JSON object" in line
+    (torch_root / RUN_RECORD).write_text("[" * 60_000)  # under the size limit, deeper than the parser goes
+    line = one_error_line(fullshard(*RESUME, "--checkpoint-dir", torch_root, "--out", tmp_path / "run"), "train")
+    assert "is not a fullshard run record" in line
+    (torch_root / RUN_RECORD).write_text(" " * 70_000)
+    line = one_error_line(fullshard(*RESUME, "--checkpoint-dir", torch_root, "--out", tmp_path / "run"), "train")
+    assert "larger than 65536 bytes" in line
+
+
+def test_the_same_model_passes_the_record_and_reaches_the_checkpoint_check(torch_root, tmp_path):
+    _record(torch_root)  # the same options: the record says nothing, the damaged checkpoint does
+    name = _flip_a_data_byte(step_dir(torch_root, 3))
+    line = one_error_line(fullshard(*RESUME, "--checkpoint-dir", torch_root, "--out", tmp_path / "run"), "train")
+    assert f"file {name}: does not match the SHA-256" in line
 
 
 # ---------------------------------------------------------------------- the MindSpore format (numpy only)

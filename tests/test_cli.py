@@ -94,6 +94,20 @@ def test_resume_reproduces_the_uninterrupted_run(checkpointed_run, tmp_path):
     assert resumed["train_loss"] == full["train_loss"][10:]  # bit for bit
 
 
+def test_resume_into_another_model_stops_before_the_workers(checkpointed_run, tmp_path):
+    """The checkpoint directory records what shaped its model; resuming it with another --model is one line
+    from the launcher, naming both, instead of a worker's traceback."""
+    out, _ = checkpointed_run
+    record = json.loads((out / "ckpt" / "fullshard.train.json").read_text())
+    assert record == {"framework": "torch", "model": "tiny", "hf_config": None}
+    proc = fullshard("train", "--model", "small", *TINY[2:], "--steps", "20", "--resume", "--checkpoint-dir",
+                     str(out / "ckpt"), "--out", str(tmp_path / "report"), timeout=60)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert "trained with --model tiny" in lines[0] and "builds one with --model small" in lines[0]
+    assert not (tmp_path / "report").exists(), "the job started"
+
+
 @pytest.mark.parametrize("args, message", [
     (["train", "--strategy", "zero9"], "unknown --strategy 'zero9'"),
     (["train", "--nproc", "0"], "--nproc must be at least 1"),

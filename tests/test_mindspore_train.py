@@ -74,6 +74,20 @@ def test_resume_continues_bit_for_bit(run, tmp_path):
     assert resumed["train_loss"] == full["train_loss"][EVERY:]
 
 
+def test_resume_into_another_model_stops_before_the_workers(run, tmp_path):
+    """The checkpoint directory records what shaped its model; resuming it with another --model is one line
+    from the launcher, naming both, instead of a worker's traceback."""
+    out, _, _ = run
+    record = json.loads((out / "ckpt" / "fullshard.train.json").read_text())
+    assert record == {"framework": "mindspore", "model": "tiny", "hf_config": None}
+    proc = fullshard(*TINY[:4], "small", *TINY[5:], "--steps", str(STEPS), "--resume", "--checkpoint-dir",
+                     str(out / "ckpt"), "--out", str(tmp_path / "report"), timeout=60)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert "trained with --model tiny" in lines[0] and "builds one with --model small" in lines[0]
+    assert not (tmp_path / "report").exists(), "the job started"
+
+
 def test_export_of_a_training_checkpoint(run, tmp_path):
     out, _, _ = run
     proc = fullshard("export", str(out / "ckpt" / f"step_{STEPS}"), str(tmp_path / "gpt.safetensors"), timeout=60)

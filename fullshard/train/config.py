@@ -1,8 +1,11 @@
 """What the main job's runs share whatever the framework: the configuration, a rank's result, the
-learning-rate schedule and the unit counts the formulas take."""
+learning-rate schedule, the unit counts the formulas take, and the record of what a checkpoint
+directory's runs trained."""
 from __future__ import annotations
 
+import json
 import math
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
@@ -78,3 +81,58 @@ def last_checkpoint_hint(checkpoint_dir: Optional[str]) -> str:
 
     step = latest_step(Path(checkpoint_dir)) if checkpoint_dir else None
     return f"; the last complete checkpoint is step {step}: continue with --resume" if step else ""
+
+
+# ---------------------------------------------------------------------- what a checkpoint directory holds
+RUN_RECORD = "fullshard.train.json"
+# The options that decide the parameters' names and shapes: a checkpoint resumes only into the same ones
+# (the strategy, the mesh, the number of ranks and the precision may change: loading reshards).
+MODEL_OPTIONS = ("framework", "model", "hf_config")
+_MAX_RECORD_BYTES = 1 << 16
+
+
+def _model_options(cfg: TrainConfig) -> dict:
+    options = {name: getattr(cfg, name) for name in MODEL_OPTIONS}
+    if options["hf_config"] and Path(options["hf_config"]).exists():  # a file: the same one by any path
+        options["hf_config"] = str(Path(options["hf_config"]).resolve())
+    return options
+
+
+def write_run_record(cfg: TrainConfig) -> None:
+    """Record, beside the checkpoints this run has just saved, the options that shaped their model (rank 0,
+    after each save; replaced atomically). A run that fails before saving leaves the record as it was."""
+    import tempfile
+
+    root = Path(cfg.checkpoint_dir)
+    handle, scratch = tempfile.mkstemp(prefix=f".{RUN_RECORD}.", dir=root)
+    with os.fdopen(handle, "w") as out:
+        json.dump(_model_options(cfg), out, sort_keys=True)
+    os.replace(scratch, root / RUN_RECORD)
+
+
+def run_record_mismatch(cfg: TrainConfig) -> Optional[str]:
+    """Why ``--resume`` cannot continue the checkpoints under ``cfg.checkpoint_dir`` with ``cfg``'s model, or
+    None (also when there is no record: the checkpoint's own check still runs, in the workers). The record
+    is read as untrusted input: bounded, JSON, a mapping, or it is refused."""
+    path = Path(cfg.checkpoint_dir) / RUN_RECORD
+    if not path.is_file():
+        return None
+    try:
+        if path.stat().st_size > _MAX_RECORD_BYTES:
+            raise ValueError(f"larger than {_MAX_RECORD_BYTES} bytes")
+        recorded = json.loads(path.read_text(encoding="utf-8"))
+        if not isinstance(recorded, dict):
+            raise ValueError("not a JSON object")
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as error:
+        return f"{path} is not a fullshard run record ({error}); remove it to resume without this check"
+    asked = _model_options(cfg)
+    differ = [name for name in MODEL_OPTIONS if recorded.get(name) != asked[name]]
+    if not differ:
+        return None
+
+    def options(values: dict) -> str:
+        return ", ".join(f"--{name.replace('_', '-')} {values.get(name)}" for name in differ)
+
+    return (f"the checkpoints under {cfg.checkpoint_dir} hold a model trained with {options(recorded)} "
+            f"({path}); this run builds one with {options(asked)}: pass the former to continue that run, or use "
+            f"another --checkpoint-dir")

@@ -22,7 +22,7 @@ from fullshard.core.procs import peak_rss_bytes
 from fullshard.plan.exchange import DEFAULT_BACKENDS
 from fullshard.core.traffic import reset_traffic, traffic
 from fullshard.train import rollcall
-from fullshard.train.config import EVAL_BATCHES, RankResult, TrainConfig, learning_rate
+from fullshard.train.config import EVAL_BATCHES, RankResult, TrainConfig, learning_rate, write_run_record
 from fullshard.train.data import ByteCorpus
 from fullshard.train.models import ModelSpec, count_units
 from fullshard.train.nodes import Nodes, choose_mesh, nodes_of
@@ -100,6 +100,8 @@ def save_checkpoint(cfg: TrainConfig, model, optimizer, step: int) -> None:
     from fullshard.torch.checkpoint import save_atomic
 
     save_atomic(_checkpoint_state(model, optimizer), Path(cfg.checkpoint_dir), step)
+    if dist.get_rank() == 0:
+        write_run_record(cfg)
 
 
 def load_checkpoint(cfg: TrainConfig, model, optimizer) -> int:

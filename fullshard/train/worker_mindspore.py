@@ -29,7 +29,7 @@ from fullshard.core.atomic import latest_step, step_dir
 from fullshard.core.procs import peak_rss_bytes
 from fullshard.models.config import MODEL_SIZES
 from fullshard.train import rollcall
-from fullshard.train.config import EVAL_BATCHES, RankResult, TrainConfig, learning_rate
+from fullshard.train.config import EVAL_BATCHES, RankResult, TrainConfig, learning_rate, write_run_record
 from fullshard.train.data import ByteCorpus
 from fullshard.train.nodes import Nodes, choose_mesh, nodes_of
 from fullshard.train.progress import Progress
@@ -240,6 +240,8 @@ def _train_steps(cfg: TrainConfig, model, optimizer, corpus: ByteCorpus, seq_len
         progress.update(step, loss_value, tokens_done / timed if timed else 0.0, peak_rss_bytes())
         if cfg.checkpoint_dir and cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0:
             save_checkpoint(model, step_dir(cfg.checkpoint_dir, step + 1), optimizer)
+            if rank == 0:
+                write_run_record(cfg)
     progress.close()
     result.tokens_per_s = tokens_done / timed if timed else 0.0
 
