@@ -6,10 +6,13 @@ all-reduce over the shard group, then across the replicas.
 """
 from __future__ import annotations
 
+import numpy as np
+
 import mindspore as ms
 
 import fullshard.mindspore as fs
 from fullshard.core.traffic import reset_traffic, traffic_bytes
+from fullshard.plan.strategy import bytes_sent_per_rank
 from fullshard.plan import Exchange
 from tests.ms_parity import TinyLM, assert_close, init_numpy, lm_batch, lm_loss, local_rows, run_parity, shard_of
 
@@ -79,6 +82,37 @@ def hsdp_clip_grad_norm():
     return {"norm": want}
 
 
+def hsdp_traffic_is_the_formula():
+    """memory_report's theory counts the replicas' all-reduce of each reduced chunk: what the collectives
+    carried in a step equals what the CPU emulation carries for the formula's traffic (TinyLM(vocab=8): no
+    padding on 2 shards), the replicas' part exactly each rank's gradient shard."""
+    mesh = _mesh()
+    net = init_numpy(TinyLM(vocab=8))
+    for layer in net.layers:
+        fs.fully_shard(layer, mesh=mesh)
+    fs.fully_shard(net, mesh=mesh)
+    optimizer = ms.nn.Adam(net.trainable_params(), learning_rate=1e-3)
+    ids, labels = lm_batch(0, 8, vocab=8)
+    for _ in range(2):  # the second step is the steady state
+        reset_traffic()
+        _, grads = ms.value_and_grad(lambda: lm_loss(net, local_rows(ids), local_rows(labels)), None,
+                                     net.trainable_params())()
+        report = fs.memory_report(net, optimizer)
+        optimizer(grads)
+    theory = report["theory"]
+    assert report["traffic"] == {k: int(v) for k, v in theory["carried"].items()}, report
+    num_params = sum(int(np.prod(p.shape)) for p in TinyLM(vocab=8).trainable_params())
+    replica_payload = num_params * 4 / 2  # fp32 shards of 2 ranks, summed by 2 replicas
+    traffic = theory["traffic"]
+    assert traffic["all_reduce"] == replica_payload, theory  # ZeRO-3's only all-reduce
+    # on the sub-groups the gathers and the reduce-scatters travel as all-reduces too (over 2 shards), the
+    # replicas' all-reduce over 2 replicas
+    in_group = traffic["all_gather"] + traffic["reduce_scatter"]
+    assert theory["carried"]["all_reduce"] == in_group + replica_payload, theory
+    assert theory["carried_sent"] == bytes_sent_per_rank({"all_reduce": in_group + replica_payload}, 2), theory
+    return {"measured": report["traffic"], "carried": theory["carried"]}
+
+
 def suite():
     from tests.ms_suite_ownership import hsdp_aliasing_scenarios
     from tests.ms_suite_schedules import hsdp_schedule_scenarios
@@ -87,6 +121,7 @@ def suite():
         "hsdp_parity": hsdp_parity,
         "hsdp_partial_sums": hsdp_partial_sums,
         "hsdp_clip_grad_norm": hsdp_clip_grad_norm,
+        "hsdp_traffic_is_the_formula": hsdp_traffic_is_the_formula,
         **hsdp_schedule_scenarios(),
         **hsdp_aliasing_scenarios(),
     }

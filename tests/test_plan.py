@@ -304,6 +304,22 @@ def test_per_rank_theory_is_the_formulas_together():
     assert zero2["traffic"]["all_gather"] == 4000  # kept across micro-batches: gathered once
 
 
+def test_hsdp_replicas_add_the_all_reduce_of_each_gradient_shard():
+    """(R replicas x S shards): memory is the S-rank formula; traffic adds one all-reduce of the reduced shard
+    (num_params / S elements, in the replica reduce dtype) across R ranks, and the bytes it sends over R."""
+    one_group = per_rank_theory(Strategy.OPTIM_GRADS_PARAMS, 4, 1000, 300, 100, reduce_bytes=2)
+    hsdp = per_rank_theory(Strategy.OPTIM_GRADS_PARAMS, 4, 1000, 300, 100, reduce_bytes=2, replicas=3,
+                           replica_reduce_bytes=4)
+    assert hsdp["memory"] == one_group["memory"]
+    assert hsdp["replica"] == {"all_reduce": 1000 * 4 / 4, "sent": 2 * (2 / 3) * 1000}
+    assert hsdp["traffic"] == {**one_group["traffic"], "all_reduce": 1000.0}
+    assert hsdp["sent"] == one_group["sent"] + 2 * (2 / 3) * 1000
+    for strategy in Strategy:  # ZeRO-1/2/3 all sum their shards across replicas; no_shard already spans all
+        theory = per_rank_theory(strategy, 4, 1000, 300, replicas=2)
+        assert theory["replica"]["all_reduce"] == (0 if strategy is Strategy.NO_SHARD else 1000.0), strategy
+    assert per_rank_theory(Strategy.OPTIM, 4, 1000, 300)["replica"] == {"all_reduce": 0.0, "sent": 0.0}
+
+
 def test_pairwise_reduce_scatter_scratch():
     assert [reduce_scratch_chunks(Exchange.PAIRWISE, n) for n in (1, 2, 3, 4, 8)] == [0, 0, 1, 2, 6]
     assert reduce_scratch_chunks(Exchange.COLLECTIVE, 8) == 0

@@ -24,9 +24,12 @@ def report_theory(
     reduce_bytes: int,
     adam: bool,
     collectives: Optional[Collectives] = None,
+    replicas: int = 1,
+    replica_reduce_bytes: Optional[int] = None,
 ) -> dict:
     """Memory, traffic and bytes sent per rank for a model of ``unit_params`` (one entry per fully_shard
-    unit, the root's own parameters included) plus ``other_params`` fullshard leaves alone.
+    unit, the root's own parameters included) plus ``other_params`` fullshard leaves alone, sharded over
+    ``world`` ranks and (HSDP) replicated ``replicas`` times.
 
     Adam keeps two moments per parameter in the parameters' dtype. With ``collectives`` (a backend
     that emulates some of them), ``carried``/``carried_sent`` say what the chosen collectives really
@@ -35,10 +38,13 @@ def report_theory(
     theory = per_rank_theory(
         strategy, world, sum(unit_params) + other_params, max(unit_params), root_params,
         param_bytes=param_bytes, optim_bytes=2 * param_bytes if adam else 0, compute_bytes=compute_bytes,
-        reduce_bytes=reduce_bytes,
+        reduce_bytes=reduce_bytes, replicas=replicas, replica_reduce_bytes=replica_reduce_bytes,
     )
     figures = {"memory": theory["memory"], "traffic": theory["traffic"], "sent": theory["sent"]}
     if collectives is not None:
-        carried = carried_traffic(theory["traffic"], collectives)
-        figures.update(carried=carried, carried_sent=bytes_sent_per_rank(carried, world))
+        replica = theory["replica"]
+        in_group = {**theory["traffic"], "all_reduce": theory["traffic"]["all_reduce"] - replica["all_reduce"]}
+        carried_in_group = carried_traffic(in_group, collectives)
+        figures.update(carried=carried_traffic(in_group, collectives, replica["all_reduce"]),
+                       carried_sent=bytes_sent_per_rank(carried_in_group, world) + replica["sent"])
     return figures

@@ -160,14 +160,19 @@ def per_rank_theory(
     compute_bytes: Optional[int] = None,
     reduce_bytes: int = 4,
     micro_batches: int = 1,
+    replicas: int = 1,
+    replica_reduce_bytes: Optional[int] = None,
 ) -> dict[str, object]:
     """What a rank holds and moves per step, the one place every report takes the ZeRO figures from.
 
-    ``memory``: :func:`peak_state_bytes` (gradients in the parameters' dtype);
-    ``traffic``: :func:`traffic_bytes_per_step`, where ZeRO-3 gathers again for
-    every micro-batch while gradients are reduced once per step; ``sent``:
-    :func:`bytes_sent_per_rank` of that traffic. ``largest_unit`` counts the
-    root's own parameters as a unit too.
+    ``world`` is the number of ranks a parameter is sharded over; HSDP's ``replicas`` copies of that
+    group hold the same shards. ``memory``: :func:`peak_state_bytes` (gradients in the parameters'
+    dtype); ``traffic``: :func:`traffic_bytes_per_step`, where ZeRO-3 gathers again for every
+    micro-batch while gradients are reduced once per step, plus (HSDP) the all-reduce of each reduced
+    gradient shard across the replicas (``replica``: its payload and the bytes it sends; it travels in
+    ``replica_reduce_bytes``, by default ``reduce_bytes``); ``sent``: :func:`bytes_sent_per_rank` of
+    the shard group's traffic over ``world`` ranks and of the replicas' all-reduce over ``replicas``.
+    ``largest_unit`` counts the root's own parameters as a unit too.
     """
     compute = param_bytes if compute_bytes is None else compute_bytes
     memory = peak_state_bytes(
@@ -176,4 +181,19 @@ def per_rank_theory(
     traffic = traffic_bytes_per_step(strategy, world, num_params, root_params, compute, reduce_bytes)
     if strategy is Strategy.OPTIM_GRADS_PARAMS:
         traffic["all_gather"] *= micro_batches
-    return {"memory": memory, "traffic": traffic, "sent": bytes_sent_per_rank(traffic, world)}
+    sent = bytes_sent_per_rank(traffic, world)
+    replica = replica_all_reduce(strategy, world, num_params, replicas,
+                                 reduce_bytes if replica_reduce_bytes is None else replica_reduce_bytes)
+    traffic["all_reduce"] += replica["all_reduce"]
+    return {"memory": memory, "traffic": traffic, "sent": sent + replica["sent"], "replica": replica}
+
+
+def replica_all_reduce(strategy: Strategy, world: int, num_params: int, replicas: int,
+                       reduce_bytes: int) -> dict[str, float]:
+    """HSDP: each rank all-reduces its reduced gradient shard (``num_params / world`` elements) across the
+    ``replicas`` groups once per step; its payload and the bytes a rank sends for it. Nothing without
+    replicas, and for ``no_shard``, whose all-reduce already spans every rank."""
+    if replicas == 1 or strategy is Strategy.NO_SHARD:
+        return {"all_reduce": 0.0, "sent": 0.0}
+    payload = float(num_params * reduce_bytes / world)
+    return {"all_reduce": payload, "sent": bytes_sent_per_rank({"all_reduce": payload}, replicas)}

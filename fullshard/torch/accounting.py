@@ -98,6 +98,8 @@ def memory_report(model: nn.Module, optimizer: Optional[torch.optim.Optimizer] =
             other_params=sum(p.to_local().numel() if isinstance(p, DTensor) else p.numel() for p in params[len(managed):]),
             param_bytes=_element_size(sample.stored_dtype), compute_bytes=_element_size(sample.compute_dtype),
             reduce_bytes=_element_size(wire), adam=isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)),
+            # HSDP: the reduced shards are summed across the replicas in the reduce dtype
+            replicas=group.replicas, replica_reduce_bytes=_element_size(group.plan.reduce_dtype(sample)),
         )
         report["theory"] = {"memory": theory["memory"], "traffic": theory["traffic"]}
     return report

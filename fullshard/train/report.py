@@ -16,11 +16,13 @@ def _mib(nbytes: float) -> str:
     return f"{nbytes / 2**20:8.2f} MiB"
 
 
-def theoretical(cfg, world: int, units: dict[str, int], runtime: Optional[dict] = None) -> dict:
-    """What the planning code predicts for this run (per rank).
+def theoretical(cfg, world: int, units: dict[str, int], runtime: Optional[dict] = None, replicas: int = 1) -> dict:
+    """What the planning code predicts for this run (per rank), sharded over ``world`` ranks and (HSDP)
+    replicated ``replicas`` times.
 
     ``runtime``: the figures a runtime's ``memory_report`` computed from its own plan (MindSpore's
-    include what the CPU emulation carries); without them the torch runtime's are worked out here.
+    include what the CPU emulation carries, and the replicas' all-reduce); without them the torch
+    runtime's are worked out here.
     """
     if runtime is not None:
         return {"num_params": units["num_params"], **runtime}
@@ -34,28 +36,9 @@ def theoretical(cfg, world: int, units: dict[str, int], runtime: Optional[dict] 
     theory = per_rank_theory(
         strategy, world, units["num_params"], units["largest_unit"], units["root_params"],
         compute_bytes=2 if cfg.mixed_precision == "bf16" else 4, reduce_bytes=reduce_bytes,
-        micro_batches=cfg.grad_accum,
+        micro_batches=cfg.grad_accum, replicas=replicas, replica_reduce_bytes=4,  # summed in fp32, the reduce dtype
     )
     return {"num_params": units["num_params"], "memory": theory["memory"], "traffic": theory["traffic"]}
-
-
-def with_replicas(theory: dict, replicas: int, shards: int) -> dict:
-    """HSDP: each rank also all-reduces its gradient shard across the ``replicas`` (in fp32, the reduce dtype).
-
-    The planning formulas count one shard group; this adds what crosses the nodes.
-    """
-    if replicas == 1:
-        return theory
-    payload = 4.0 * theory["num_params"] / shards
-    sent = 2 * (replicas - 1) / replicas * payload
-    theory = {**theory, "traffic": {**theory["traffic"]}}
-    theory["traffic"]["all_reduce"] = theory["traffic"].get("all_reduce", 0.0) + payload
-    if "sent" in theory:
-        theory["sent"] += sent
-    if theory.get("carried"):
-        theory["carried"] = {**theory["carried"], "all_reduce": theory["carried"].get("all_reduce", 0.0) + payload}
-        theory["carried_sent"] += sent
-    return theory
 
 
 def _mesh(cfg, results: list[dict]) -> dict:
@@ -87,7 +70,7 @@ def write_report(cfg, results: list[dict], out_dir: Path, reference: Optional[di
     mesh = _mesh(cfg, results)
     # the ZeRO formulas count the ranks a parameter is sharded over: the mesh's last dim (a node, with HSDP)
     replicas, shards = ([1] + mesh["shape"])[-2:]
-    theory = with_replicas(theoretical(cfg, shards, first["units"], first.get("theory")), replicas, shards)
+    theory = theoretical(cfg, shards, first["units"], first.get("theory"), replicas)
     summary = {
         "config": {k: v for k, v in vars(cfg).items()},
         "framework": getattr(cfg, "framework", "torch"),
