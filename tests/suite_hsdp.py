@@ -58,29 +58,29 @@ def hsdp_accumulate_without_all_reduce():
 
 
 def hsdp_traffic_is_the_formula():
-    """memory_report's theory counts HSDP's replica all-reduce: each kind's measured bytes of a step equal the
-    formula's, the all-reduce exactly each rank's gradient shard (the tiny GPT's dims divide by 2: no
-    padding), and the bytes sent add the replicas' share."""
-    from fullshard.plan.strategy import Strategy, bytes_sent_per_rank, per_rank_theory
+    """memory_report's theory counts HSDP's replica all-reduce: on a 2x2 and on a 4x1 mesh (replicas differ
+    from shards), each kind's measured bytes of a step equal the formula's, the all-reduce exactly each
+    rank's gradient shard (the tiny GPT's dims divide by 2: no padding)."""
     from fullshard.torch.accounting import memory_report
 
-    mesh = mesh_2x2()
-    model = shard_blocks_then_root(build_gpt(), mesh=mesh)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    for step in range(2):  # the second step is the steady state
-        reset_traffic()
-        gpt_loss(model, gpt_batch(step, 2)).backward()
-        report = memory_report(model, optimizer)
-        optimizer.step()
-        optimizer.zero_grad()
-    theory = report["theory"]["traffic"]
-    assert report["traffic"] == {k: int(v) for k, v in theory.items()}, report
-    num_params = sum(p.numel() for p in model.parameters())
-    assert theory["all_reduce"] == num_params * 4 / 2, theory  # fp32 shards of 2 ranks, summed by 2 replicas
-    one_group = per_rank_theory(Strategy.OPTIM_GRADS_PARAMS, 2, num_params, 1)
-    with_replicas = per_rank_theory(Strategy.OPTIM_GRADS_PARAMS, 2, num_params, 1, replicas=2)
-    assert with_replicas["sent"] == one_group["sent"] + bytes_sent_per_rank({"all_reduce": num_params * 2}, 2)
-    return {"measured": report["traffic"], "theory": theory}
+    figures = {}
+    for replicas, shards in ((2, 2), (4, 1)):
+        mesh = init_device_mesh("cpu", (replicas, shards), mesh_dim_names=("replicate", "shard"))
+        torch.manual_seed(0)
+        model = shard_blocks_then_root(build_gpt(), mesh=mesh)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        for step in range(2):  # the second step is the steady state
+            reset_traffic()
+            gpt_loss(model, gpt_batch(step, 2)).backward()
+            report = memory_report(model, optimizer)
+            optimizer.step()
+            optimizer.zero_grad()
+        theory = report["theory"]["traffic"]
+        assert report["traffic"] == {k: int(v) for k, v in theory.items()}, (replicas, shards, report)
+        num_params = sum(p.numel() for p in model.parameters())
+        assert theory["all_reduce"] == num_params * 4 / shards, theory  # fp32 shards, summed across replicas
+        figures[f"{replicas}x{shards}"] = {"measured": report["traffic"], "theory": theory}
+    return figures
 
 
 def suite():

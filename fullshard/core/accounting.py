@@ -40,7 +40,8 @@ def report_theory(
         param_bytes=param_bytes, optim_bytes=2 * param_bytes if adam else 0, compute_bytes=compute_bytes,
         reduce_bytes=reduce_bytes, replicas=replicas, replica_reduce_bytes=replica_reduce_bytes,
     )
-    figures = {"memory": theory["memory"], "traffic": theory["traffic"], "sent": theory["sent"]}
+    figures = {"memory": theory["memory"], "traffic": theory["traffic"], "sent": theory["sent"],
+               "replica": theory["replica"]}
     if collectives is not None:
         replica = theory["replica"]
         in_group = {**theory["traffic"], "all_reduce": theory["traffic"]["all_reduce"] - replica["all_reduce"]}

@@ -82,9 +82,9 @@ def memory_report(cell: nn.Cell, optimizer: Optional[nn.Optimizer] = None) -> di
             reduce_bytes=dtype_bytes(group.plan.wire_dtype(group.plan.reduce_dtype(sample))),
             adam=isinstance(optimizer, (nn.Adam, nn.AdamWeightDecay)),
             collectives=group.plan.collectives,
-            # HSDP: the reduced chunks are summed across the replicas in the reduce dtype
+            # HSDP: the reduced chunks are summed across the replicas as they came out of the shard group's
+            # reduction, in the wire dtype
             replicas=group.replica.size if group.replica is not None else 1,
-            replica_reduce_bytes=dtype_bytes(group.plan.reduce_dtype(sample)),
         )
     return report
 

@@ -38,7 +38,8 @@ def theoretical(cfg, world: int, units: dict[str, int], runtime: Optional[dict] 
         compute_bytes=2 if cfg.mixed_precision == "bf16" else 4, reduce_bytes=reduce_bytes,
         micro_batches=cfg.grad_accum, replicas=replicas, replica_reduce_bytes=4,  # summed in fp32, the reduce dtype
     )
-    return {"num_params": units["num_params"], "memory": theory["memory"], "traffic": theory["traffic"]}
+    return {"num_params": units["num_params"], "memory": theory["memory"], "traffic": theory["traffic"],
+            "replica": theory["replica"]}
 
 
 def _mesh(cfg, results: list[dict]) -> dict:
@@ -139,16 +140,22 @@ def format_table(summary: dict) -> str:
             extra = f"      {_mib(carried.get(kind, 0))}" if carried else ""
             lines.append(f"    {kind:<15}{_mib(measured.get(kind, 0))}            {_mib(traffic[kind])}{extra}")
     if carried:
-        # the collectives run within a shard group (and, with HSDP, across as many replicas): exact when
-        # both have the same size, as on 2 nodes of 2
-        group = (summary.get("mesh") or {}).get("shape", [summary["world_size"]])[-1]
-        lines.append(f"    sent/rank      {_mib(bytes_sent_per_rank(measured, group))}            "
+        lines.append(f"    sent/rank      {_mib(_measured_sent(summary, measured))}            "
                      f"{_mib(theory['sent'])}      {_mib(theory['carried_sent'])}")
     if summary.get("plot"):
         lines.append(f"  plot         {summary['plot']}")
     elif summary.get("plot_skipped"):
         lines.append(f"  plot         skipped: {summary['plot_skipped']}")
     return "\n".join(lines)
+
+
+def _measured_sent(summary: dict, measured: dict) -> float:
+    """What rank 0 sent for its measured traffic: the shard group's collectives over its S ranks and, with
+    HSDP, the replicas' all-reduce (the formula's share of the all-reduce bytes) over the R replicas."""
+    replicas, shards = ([1] + (summary.get("mesh") or {}).get("shape", [summary["world_size"]]))[-2:]
+    across = min(summary["theory"].get("replica", {}).get("all_reduce", 0.0), measured.get("all_reduce", 0))
+    in_group = {**measured, "all_reduce": measured.get("all_reduce", 0) - across}
+    return bytes_sent_per_rank(in_group, shards) + bytes_sent_per_rank({"all_reduce": across}, replicas)
 
 
 def format_node_summary(results: list[dict], nodes) -> str:
