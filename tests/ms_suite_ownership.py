@@ -139,15 +139,20 @@ def seed_bug_outside_bprop():
 
 def concatenated_params():
     """Two parameters concatenated in construct: the gradients their gathers get are views of ONE storage.
-    Neither is freed or written while the other is still to be reduced."""
-    net = init_numpy(ConcatLM())
-    fs.fully_shard(net.mix)
-    wrap_layers(net)
-    with observe() as seen:
-        _step(net)
-    _assert_caller_grads_intact(seen)
-    mix = {fqn: ptr for fqn, _, _, _, ptr in seen["grads"] if fqn in ("mix.top", "mix.bottom")}
-    assert mix["mix.top"] == mix["mix.bottom"], "the case under test: both gradients share one storage"
+    Neither is freed or written while the other is still to be reduced, fused (the default) or not: autograd
+    hands them as non-contiguous views, which the plan packs into owned storage, never borrows."""
+    for fusion in (False, True):
+        net = init_numpy(ConcatLM())
+        fs.fully_shard(net.mix, comm_fusion=fusion)
+        wrap_layers(net, comm_fusion=fusion)
+        with observe() as seen:
+            _step(net)
+        _assert_caller_grads_intact(seen)
+        mix = {fqn: ptr for fqn, _, _, _, ptr in seen["grads"] if fqn in ("mix.top", "mix.bottom")}
+        assert mix["mix.top"] == mix["mix.bottom"], "the case under test: both gradients share one storage"
+        assert not any(g.is_contiguous() for fqn, g, *_ in seen["grads"] if fqn.startswith("mix.")), fusion
+        borrowed = [w for w in seen["borrowed"] if w.startswith("reduce-scatter input") and "mix." in w]
+        assert not borrowed, (fusion, borrowed)
     return {"shared_storage": True}
 
 
@@ -273,7 +278,7 @@ def byte_meter_zero3():
     # the batch packs every gradient it reduces (here the whole model's) into one owned buffer: that is what
     # fusion costs at its peak, and all it costs
     assert zero3["peak"] < fused["peak"] <= zero3["peak"] + kept["after_forward"], (fused, zero3, kept)
-    assert fused["gathered"] <= zero3["gathered"], (fused, zero3)  # fused buckets pad once, not per parameter
+    assert fused["gathered"] == zero3["gathered"], (fused, zero3)  # padding is per member, fused or not
     # the root gathered once, each layer twice (forward, backward); without resharding once
     root_wire, layer_wire = gathered_bytes(root), gathered_bytes(units[0])
     assert zero3["gathered"] == root_wire + 2 * LAYERS * layer_wire, zero3
@@ -491,12 +496,13 @@ def _states(net):
 
 # site (the start of what the buffer is called) -> (fully_shard arguments, what to drive)
 SITES = {
-    "all-gather input of": ({}, drive_gathers),  # the embedding's 7 rows are padded: packed
-    "all-gather output of": ({}, drive_gathers),  # padded: copied out of it
-    "unsharded parameter '": ({}, drive_gathers),  # even dim 0: the output itself
+    "all-gather input of": ({}, drive_gathers),  # fused buckets (and the embedding's padded 7 rows): packed
+    "all-gather output of": ({}, drive_gathers),  # fused or padded: copied out of it
+    # a lone even dim 0 (no fusion): the output itself is the unsharded parameter
+    "unsharded parameter '": ({"comm_fusion": False}, drive_gathers),
     "float16 copy of replica": ({"strategy": "no_shard", "mp_policy": "fp16"}, drive_gathers),
     "full '": ({}, fs.full_state_dict),
-    "reduce-scatter input of": ({}, drive_reductions),  # padded gradients are packed
+    "reduce-scatter input of": ({}, drive_reductions),  # fused (and padded) gradients are packed
     "reduced gradient of": ({}, drive_reductions),
     "sharded gradient of": ({}, drive_summed_reductions),  # copied out of the reduced buffer, which is freed
     "gradient accumulator of": ({}, lambda net: drive_reductions(net, sync=False)),

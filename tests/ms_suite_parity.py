@@ -366,11 +366,17 @@ def prefetch():
 
 
 def comm_fusion():
-    def wrap(net):
-        wrap_layers(net, comm_fusion=True)
-        for layer in net.layers:
-            assert len(layer._fullshard_state.groups[0].plan.buckets) == 1, "one collective per unit"
-    return run_parity(wrap=wrap).as_dict()
+    """Fusion (the default) against none: one gather bucket per unit with it, one per parameter without;
+    both match the reference."""
+    results = {}
+    for fusion in (True, False):
+        def wrap(net, fusion=fusion):
+            wrap_layers(net, comm_fusion=fusion)
+            for layer in net.layers:
+                buckets, params = layer._fullshard_state.groups[0].plan.buckets, layer.trainable_params()
+                assert len(buckets) == (1 if fusion else len(params)), (fusion, len(buckets))
+        results["fused" if fusion else "unfused"] = run_parity(wrap=wrap).as_dict()
+    return results
 
 
 def replicate_params():
