@@ -150,6 +150,21 @@ def test_train_a_hugging_face_llama_from_config(tmp_path):
     assert report["train_loss"][-1] < report["train_loss"][0]
 
 
+def test_a_torchrun_rank_ends_without_finalizing_the_interpreter():
+    """Under torchrun the command is the rank: it ends with os._exit, as a spawned worker does, so gloo threads
+    still releasing the last collective's tensors cannot abort it during finalization (cli._end_torchrun_rank).
+    An atexit handler would run at finalization: it must not."""
+    script = ("import atexit, os, sys; atexit.register(lambda: print('finalized', flush=True)); "
+              "os.environ.update(RANK='0', WORLD_SIZE='1'); from fullshard.cli import main; "
+              "sys.exit(main(['train', '--strategy', 'zero9']))")
+    proc = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "unknown --strategy 'zero9'" in proc.stderr, proc.stderr
+    assert "finalized" not in proc.stdout
+    plain = subprocess.run([sys.executable, "-c", script.replace("os.environ.update(RANK='0', WORLD_SIZE='1'); ", "")],
+                           cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert plain.returncode == 2 and "finalized" in plain.stdout  # outside torchrun the interpreter ends as usual
+
+
 def test_runs_unchanged_under_torchrun_on_user_data(tmp_path):
     data = tmp_path / "texts"
     data.mkdir()
