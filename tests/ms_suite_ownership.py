@@ -377,10 +377,11 @@ def zero_copy_count():
         alone = sorted(name for name, p in build().parameters_and_names()
                        if p.shape[0] % world() == 0 and int(np.prod(p.shape)) // world() >= fuse_below)
         layer_names = [n for n in alone if n.startswith("layers.")]
+        root_names = [n for n in alone if not n.startswith("layers.")]
         assert _param_names(found["reduce"]) == alone, (label, found["reduce"], alone)
         assert _param_names(found["gather"]) == alone, (label, found["gather"], alone)
         # ZeRO-3 gathers layers twice (forward, backward) and the root once; every gradient reduces once
-        assert len(found["gather"]) == 2 * len(layer_names) + len(alone) - len(layer_names), (label, found)
+        assert len(found["gather"]) == 2 * len(layer_names) + len(root_names), (label, found)
         assert len(found["reduce"]) == len(alone), (label, found)
         counts[label]["alone"] = len(alone)
     assert counts["no fusion"]["reduce"] > 0 and counts["default (fusion)"]["reduce"] == 0

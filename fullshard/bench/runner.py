@@ -276,6 +276,28 @@ def _synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def _comm_sampler(contender: Contender, trainer: Trainer) -> Optional[CommSampler]:
+    """The peers have no meter of their own: sample their communication buffers (None for fullshard)."""
+    if contender.library == "fullshard":
+        return None
+    extra = (lambda: fsdp2_unsharded(trainer.model)) if contender.library == "fsdp2" else list
+    sampler = CommSampler(trainer, extra)
+    if contender.library == "fsdp2":
+        sampler.hook_blocks(trainer.model)
+    return sampler
+
+
+def _comm_peaks(sampler: Optional[CommSampler], comm_base: int, transient_base: int) -> tuple[int, int, str]:
+    """Peak communication bytes of the measured step (all, staging only) and how they were measured."""
+    from fullshard.torch import buffers
+
+    if sampler is None:
+        return (buffers.comm_bytes()["peak"] - comm_base, buffers.comm_bytes()["transient_peak"] - transient_base,
+                "fullshard.core.buffers.comm_bytes() peak (its own meter)")
+    sampler.close()
+    return sampler.peak, sampler.transient_peak, "sampled estimate (lower bound)"
+
+
 def measure_memory(contender: Contender, config: Configuration, run: Run) -> tuple[Trainer, dict]:
     """Build this library's copy, take its warm-up steps, then measure one step; return the warm trainer.
 
@@ -303,12 +325,7 @@ def measure_memory(contender: Contender, config: Configuration, run: Run) -> tup
         first_loss = trainer.step(make_batch(run, 0)).item()
         for step in range(1, warmup):
             trainer.step(make_batch(run, step))
-        sampler = None
-        if contender.library != "fullshard":
-            extra = (lambda: fsdp2_unsharded(trainer.model)) if contender.library == "fsdp2" else list
-            sampler = CommSampler(trainer, extra)
-            if contender.library == "fsdp2":
-                sampler.hook_blocks(trainer.model)
+        sampler = _comm_sampler(contender, trainer)
         buffers.reset_peak_comm_bytes()
         if sampler is not None:
             run.meter.watchers.append(sampler.see)
@@ -319,14 +336,7 @@ def measure_memory(contender: Contender, config: Configuration, run: Run) -> tup
             _synchronize(run.device)
         elapsed = time.perf_counter() - began
         run.meter.watchers.clear()
-    if sampler is None:
-        comm_peak = buffers.comm_bytes()["peak"] - comm_base
-        transient_peak = buffers.comm_bytes()["transient_peak"] - transient_base
-        comm_method = "fullshard.core.buffers.comm_bytes() peak (its own meter)"
-    else:
-        sampler.close()
-        comm_peak, comm_method = sampler.peak, "sampled estimate (lower bound)"
-        transient_peak = sampler.transient_peak
+    comm_peak, transient_peak, comm_method = _comm_peaks(sampler, comm_base, transient_base)
     return trainer, {
         "peak_bytes": allocations.peak,
         "held_bytes": allocations.held,

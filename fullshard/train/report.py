@@ -42,6 +42,13 @@ def theoretical(cfg, world: int, units: dict[str, int], runtime: Optional[dict] 
             "replica": theory["replica"]}
 
 
+def _replicas_and_shards(shape: list[int]) -> tuple[int, int]:
+    """The ZeRO formulas count the ranks a parameter is sharded over: the mesh's last dim (a node, with HSDP);
+    the dim before it, if any, replicates."""
+    replicas, shards = ([1] + list(shape))[-2:]
+    return replicas, shards
+
+
 def _mesh(cfg, results: list[dict]) -> dict:
     """The mesh the ranks really sharded on (rank 0's record), with the words for what was chosen."""
     nodes = nodes_of(cfg, results[0]["world"])
@@ -69,8 +76,7 @@ def write_report(cfg, results: list[dict], out_dir: Path, reference: Optional[di
     steps = sorted(int(s) for s in first["losses"])
     losses = [first["losses"][str(s)] if str(s) in first["losses"] else first["losses"][s] for s in steps]
     mesh = _mesh(cfg, results)
-    # the ZeRO formulas count the ranks a parameter is sharded over: the mesh's last dim (a node, with HSDP)
-    replicas, shards = ([1] + mesh["shape"])[-2:]
+    replicas, shards = _replicas_and_shards(mesh["shape"])
     theory = theoretical(cfg, shards, first["units"], first.get("theory"), replicas)
     summary = {
         "config": {k: v for k, v in vars(cfg).items()},
@@ -152,7 +158,7 @@ def format_table(summary: dict) -> str:
 def _measured_sent(summary: dict, measured: dict) -> float:
     """What rank 0 sent for its measured traffic: the shard group's collectives over its S ranks and, with
     HSDP, the replicas' all-reduce (the formula's share of the all-reduce bytes) over the R replicas."""
-    replicas, shards = ([1] + (summary.get("mesh") or {}).get("shape", [summary["world_size"]]))[-2:]
+    replicas, shards = _replicas_and_shards((summary.get("mesh") or {}).get("shape", [summary["world_size"]]))
     across = min(summary["theory"].get("replica", {}).get("all_reduce", 0.0), measured.get("all_reduce", 0))
     in_group = {**measured, "all_reduce": measured.get("all_reduce", 0) - across}
     return bytes_sent_per_rank(in_group, shards) + bytes_sent_per_rank({"all_reduce": across}, replicas)
