@@ -115,13 +115,11 @@ def hsdp_traffic_is_the_formula():
 
 def suite():
     from tests.ms_suite_ownership import hsdp_aliasing_scenarios
-    from tests.ms_suite_schedules import hsdp_schedule_scenarios
 
     return {
         "hsdp_parity": hsdp_parity,
         "hsdp_partial_sums": hsdp_partial_sums,
         "hsdp_clip_grad_norm": hsdp_clip_grad_norm,
         "hsdp_traffic_is_the_formula": hsdp_traffic_is_the_formula,
-        **hsdp_schedule_scenarios(),
         **hsdp_aliasing_scenarios(),
     }

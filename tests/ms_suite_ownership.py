@@ -2,7 +2,7 @@
 
 The runtime is observed from outside: which tensors it borrows and adopts
 (wrapping ``fullshard.mindspore.buffers``), which gradients autograd handed a
-bucket's bprop (wrapping ``ParamGroup.deliver``), and the byte meter. Run with
+unit's gather (wrapping ``group.reduce_in_bprop``), and the byte meter. Run with
 ``FULLSHARD_CHECK_OWNERSHIP=1`` (``./run test`` sets it), so every scenario
 also runs under the sanitizer.
 """
@@ -19,8 +19,7 @@ from mindspore import Tensor, nn, ops
 import fullshard.mindspore as fs
 from fullshard.core.buffers import live_owned_buffers
 from fullshard.core.traffic import reset_traffic, traffic_bytes
-from fullshard.mindspore import buffers
-from fullshard.mindspore.group import ParamGroup
+from fullshard.mindspore import buffers, group as group_module
 from fullshard.mindspore.policies import dtype_bytes
 from fullshard.plan import DEFAULT_FUSE_BELOW_NUMEL, Unsharded
 from fullshard.plan.backends import carried_traffic
@@ -42,9 +41,9 @@ from tests.ms_suite_parity import ConcatLM, TiedTwice
 
 @contextlib.contextmanager
 def observe():
-    """Record what fullshard borrows and adopts, and every gradient a bucket's bprop was handed."""
+    """Record what fullshard borrows and adopts, and every gradient a unit's gather was handed."""
     seen = {"borrowed": [], "adopted": [], "grads": []}
-    borrow, adopt, deliver = buffers.borrow, buffers.adopt, ParamGroup.deliver
+    borrow, adopt, reduce_in_bprop = buffers.borrow, buffers.adopt, group_module.reduce_in_bprop
 
     def borrow_and_record(tensor, what):
         seen["borrowed"].append(what)
@@ -55,17 +54,17 @@ def observe():
         seen["adopted"].append(owned)
         return owned
 
-    def deliver_and_record(self, index, grads):
-        for param, grad in zip(self.plan.members(index), grads):
+    def reduce_and_record(groups, grads):
+        for param, grad in zip([p for g in groups for p in g.params], grads):
             storage = grad.untyped_storage()
             seen["grads"].append((param.fqn, grad, grad.copy(), storage.nbytes(), storage.data_ptr()))
-        return deliver(self, index, grads)
+        return reduce_in_bprop(groups, grads)
 
-    buffers.borrow, buffers.adopt, ParamGroup.deliver = borrow_and_record, adopt_and_record, deliver_and_record
+    buffers.borrow, buffers.adopt, group_module.reduce_in_bprop = borrow_and_record, adopt_and_record, reduce_and_record
     try:
         yield seen
     finally:
-        buffers.borrow, buffers.adopt, ParamGroup.deliver = borrow, adopt, deliver
+        buffers.borrow, buffers.adopt, group_module.reduce_in_bprop = borrow, adopt, reduce_in_bprop
 
 
 def _assert_caller_grads_intact(seen):
@@ -230,12 +229,11 @@ LAYERS = 4  # enough that ZeRO-3, holding a unit and the one it prefetches, hold
 
 def byte_meter_zero3():
     """ZeRO-3 frees each unit's unsharded parameters after forward and gathers them again for its backward,
-    prefetching the unit backward reaches next: bytes held after forward, at each unit's backward (with the
-    placeholders of the units whose backward is done, filled at the end), between steps. Measured with each
-    gradient reduced alone, so a unit's reduction frees its buffers before the next unit's backward; with
-    fusion (the default) the parameters' residency is the same and the peak is the one reduction batch at
-    the end of backward (this model is far below ``FUSE_REDUCTIONS_BELOW_BYTES``), which packs the whole
-    model's gradients."""
+    prefetching the unit backward reaches next: bytes held after forward, at each unit's backward, between
+    steps. A unit's gradients are reduced in its gather's bprop, before backward reaches the unit before it, so
+    nothing of a unit whose backward is done stays. With fusion (the default) the parameters' residency is the
+    same, and a unit's reduction packs its gradients into one buffer (reduced into another as large on CPU): its
+    peak is higher by at most twice one unit's gradients."""
     figures, nets = {}, {}
     base, _ = _baseline()
     for label, reshard, fusion in (("zero3", None, False), ("reshard_after_forward=False", False, False),
@@ -260,24 +258,23 @@ def byte_meter_zero3():
     root = net._fullshard_state
     units = [layer._fullshard_state for layer in net.layers]
     root_bytes, layer_bytes = _unsharded_bytes(root), _unsharded_bytes(units[0])
-    placeholders = layer_bytes // world()  # a layer's gradients, as its shards: filled at the end of backward
     zero3, kept = figures["zero3"], figures["reshard_after_forward=False"]
     assert zero3["after_forward"] == root_bytes, (zero3, root_bytes)  # only the root stays gathered
     for i in range(LAYERS):
         # layer i gathered again, and layer i - 1 with it (backward prefetches the unit it reaches next); the
-        # layers after it freed again, their placeholders left
+        # layers after it reduced and freed
         gathered = 2 if i > 0 else 1
-        assert zero3[f"backward_layer{i}"] == root_bytes + gathered * layer_bytes + (LAYERS - 1 - i) * placeholders, \
-            (i, zero3)
+        assert zero3[f"backward_layer{i}"] == root_bytes + gathered * layer_bytes, (i, zero3)
     assert zero3["between_steps"] == 0 and kept["between_steps"] == 0
     assert kept["after_forward"] == root_bytes + LAYERS * layer_bytes, kept
     assert zero3["peak"] < kept["peak"], (zero3, kept)
     fused = figures["zero3, fused"]
     residency = ("after_forward", "between_steps", *(f"backward_layer{i}" for i in range(LAYERS)))
     assert {k: fused[k] for k in residency} == {k: zero3[k] for k in residency}, (fused, zero3)
-    # the batch packs every gradient it reduces (here the whole model's) into one owned buffer: that is what
-    # fusion costs at its peak, and all it costs
-    assert zero3["peak"] < fused["peak"] <= zero3["peak"] + kept["after_forward"], (fused, zero3, kept)
+    # a fused reduction packs the gradients of the unit it reduces (fp32: a unit's gradients take its parameters'
+    # bytes) into one owned buffer, and on CPU its reduce-scatter is an all-reduce whose result is as large:
+    # that is what fusion costs at its peak, and all it costs
+    assert zero3["peak"] < fused["peak"] <= zero3["peak"] + 2 * max(root_bytes, layer_bytes), (fused, zero3)
     assert fused["gathered"] == zero3["gathered"], (fused, zero3)  # padding is per member, fused or not
     # the root gathered once, each layer twice (forward, backward); without resharding once
     root_wire, layer_wire = gathered_bytes(root), gathered_bytes(units[0])
@@ -289,8 +286,7 @@ def byte_meter_zero3():
                              sum(p.layout.numel for g in root.groups for p in g.params))
     report = fs.memory_report(net)
     return {"measured": figures, "root_unsharded": root_bytes, "layer_unsharded": layer_bytes, "layers": LAYERS,
-            "placeholders_per_layer": placeholders, "formula": theory["memory"],
-            "report_theory": report["theory"]["memory"]}
+            "formula": theory["memory"], "report_theory": report["theory"]["memory"]}
 
 
 class SkipsLayer1(TinyLM):
@@ -458,31 +454,15 @@ def drive_gathers(net):
             group.unshard_now()
 
 
-def drive_reductions(net, sync: bool = True, uses: int = 1, across_replicas: bool = True):
-    """Each bucket's bprop code and the batched reduction, called directly (outside autograd: an exception raised
-    inside a MindSpore bprop may leave the process unusable), with gradients of ones. ``uses``: as if a forward
-    had used each bucket that many times (the last bprop then reduces and returns the result)."""
-    from fullshard.mindspore.group import reduce_groups
-
-    groups = [group for state in _states(net) for group in state.groups]
-    for group in groups:
-        group.reduce_grads, group.all_reduce_grads = sync, sync and across_replicas
-        for index in range(len(group.plan.buckets)):
-            members = group.plan.members(index)
-            for _ in range(uses):
-                group._uses[index] = group._uses.get(index, (0, 0))
-                group._uses[index] = (group._uses[index][0] + 1, group._uses[index][1] + 1)
-            for _ in range(uses):
-                group.deliver(index, tuple(ops.ones(p.layout.shape, p.compute_dtype) for p in members))
-    reduce_groups(groups)
-
-
-def drive_summed_reductions(net):
-    """A bucket used twice, summed (divide factor 1): its last bprop reduces and returns a copy of the sum."""
+def drive_reductions(net, sync: bool = True, across_replicas: bool = True, divide_factor=None):
+    """Every unit's gather bprop code, called directly (outside autograd: an exception raised inside a MindSpore
+    bprop may leave the process unusable), with gradients of ones."""
     for state in _states(net):
         for group in state.groups:
-            group.divide_factor = 1.0
-    drive_reductions(net, uses=2)
+            group.reduce_grads, group.all_reduce_grads = sync, sync and across_replicas
+            group.divide_factor = divide_factor
+        group_module.reduce_in_bprop(state.groups, tuple(ops.ones(p.layout.shape, p.compute_dtype)
+                                                         for g in state.groups for p in g.params))
 
 
 def _states(net):
@@ -505,7 +485,8 @@ SITES = {
     "full '": ({}, fs.full_state_dict),
     "reduce-scatter input of": ({}, drive_reductions),  # fused (and padded) gradients are packed
     "reduced gradient of": ({}, drive_reductions),
-    "sharded gradient of": ({}, drive_summed_reductions),  # copied out of the reduced buffer, which is freed
+    # copied out of the reduced buffer, which is freed (undivided: the copy is the only step that allocates)
+    "sharded gradient of": ({}, lambda net: drive_reductions(net, divide_factor=1.0)),
     "gradient accumulator of": ({}, lambda net: drive_reductions(net, sync=False)),
 }
 HSDP_SITES = {

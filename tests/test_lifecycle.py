@@ -304,6 +304,21 @@ def test_reduce_unused_params_units_reduce_at_the_end_of_backward_in_module_orde
     assert [e for e in log if e.startswith("reduce ")] == ["reduce root", "reduce block0", "reduce block1"]
 
 
+def test_reduce_unused_params_units_keep_their_parameters_from_forward_to_the_end_of_backward():
+    """A unit whose backward may run on some ranks only must not gather in backward (a collective the others
+    never join): under ZeRO-3 it keeps its parameters gathered until the end of backward, then reshards."""
+    log = []
+    root, blocks = model(log)
+    blocks[1].groups[0].reduce_unused_params = True
+    forward(root, blocks)
+    assert "free-keeping-chunks block1" not in log and blocks[1].groups[0].state is GatherState.UNSHARDED
+    assert "free-keeping-chunks block0" in log  # the other block follows ZeRO-3
+    log.clear()
+    backward(root, blocks)
+    assert "gather block1" not in log and "gather block0" in log
+    assert blocks[1].groups[0].state is GatherState.SHARDED and "free block1" in log
+
+
 def test_gradients_that_came_late_are_reduced_at_the_end_of_backward():
     log = []
     root, blocks = model(log)
@@ -428,41 +443,3 @@ def test_a_unit_outside_the_roots_modules_joins_the_active_root_and_one_alone_is
         FakeUnit.active.root = None
     alone = FakeUnit(Module(), [FakeGroup("alone", log)])
     assert alone.ensure_context() is not context and alone.is_root
-
-
-class BatchingRoot(FakeRoot):
-    fuse_reductions_below = 3  # bytes, with each fake gradient counting 1
-
-
-def test_reductions_are_batched_across_units_until_the_batch_is_large_enough():
-    log = []
-    root, blocks = model(log)
-    for unit in [root, *blocks]:
-        unit.root_class = BatchingRoot
-        for group in unit.groups:
-            group.pending_grad_bytes = lambda group=group: group.grads
-    forward(root, blocks)
-    log.clear()
-    for unit in [root, *reversed(blocks)]:
-        unit.pre_backward()
-        unit.groups[0].grads += 1
-        unit.post_backward()
-        if unit is root:
-            assert not [e for e in log if e.startswith("reduce")], "one unit's gradients wait for the batch"
-    # the third unit's gradients fill the batch: one flush reduces all three, before the end of backward
-    assert [e for e in log if e.startswith("reduce ")] == ["reduce root", "reduce block1", "reduce block0"]
-    end_backward(root)
-    assert log.count("reduced root") == 1
-
-
-def test_a_batch_not_full_at_the_end_of_backward_is_reduced_there():
-    log = []
-    root, blocks = model(log)
-    for unit in [root, *blocks]:
-        unit.root_class = BatchingRoot
-    forward(root, blocks)
-    log.clear()
-    backward(root, blocks, end=False)
-    assert not [e for e in log if e.startswith("reduce")]
-    end_backward(root)
-    assert [e for e in log if e.startswith("reduce ")] == ["reduce root", "reduce block1", "reduce block0"]

@@ -138,10 +138,6 @@ class Group:
         """Gradients arrived or accumulate since the last reduction."""
         raise NotImplementedError
 
-    def pending_grad_bytes(self) -> int:
-        """Bytes of the gradients waiting for a reduction (what a batch of reductions counts)."""
-        return 0
-
     def _start_reduce(self) -> list:
         """Start reducing the pending gradients; objects whose ``finish()`` completes each reduction."""
         raise NotImplementedError
@@ -265,7 +261,10 @@ class Unit:
 
     @property
     def reshard_after_forward(self) -> bool:
-        return self.lifecycle.reshard_after_forward
+        """The policy's choice, except for a unit whose gradients may reach only some ranks
+        (``reduce_unused_params``): its backward may run on some ranks and not others, so it must not gather
+        again there (a collective the others never join); it keeps its parameters until the end of backward."""
+        return self.lifecycle.reshard_after_forward and not any(g.reduce_unused_params for g in self.groups)
 
     @reshard_after_forward.setter
     def reshard_after_forward(self, value: bool) -> None:
@@ -463,9 +462,6 @@ class Root:
     queue the end-of-backward callback and how ranks compare what they wrapped.
     """
 
-    # Gradients of several units are reduced in one batch until their bytes reach this (0: each unit's at once).
-    fuse_reductions_below = 0
-
     def __init__(self, root: Unit) -> None:
         self.root = root
         self.units: list[Unit] = [root]  # every unit under the root, in module order
@@ -475,9 +471,6 @@ class Root:
         self.post_forward_order: list[Unit] = []
         self.order_recorded = False
         self.pending_reduces: list = []
-        self._ready: list[Group] = []  # groups whose gradients wait for their batch to be reduced
-        # The most bytes of unreduced gradients a batch held in this step (what a memory report shows).
-        self.peak_pending_grad_bytes = 0
         self.end_of_backward_queued = False
         self.forward_thread: Optional[int] = None
 
@@ -485,11 +478,6 @@ class Root:
     def _queue_end_of_backward(self) -> None:
         """Make the framework call :meth:`end_of_backward` once the backward in flight is done."""
         raise NotImplementedError
-
-    def _reduce_groups(self, groups: list[Group]) -> list:
-        """Start reducing these groups' pending gradients (a runtime may carry a batch in fewer collectives);
-        objects whose ``finish()`` completes each reduction."""
-        return [reduction for group in groups for reduction in group._start_reduce()]
 
     def check_ranks_agree(self) -> None:
         """Fail on every rank if ranks wrapped different models (``fullshard.core.agreement``)."""
@@ -519,7 +507,6 @@ class Root:
     def begin_step(self) -> None:
         """The root's forward starts a step: follow replaced parameters, forget copies no longer right."""
         self.forward_thread = threading.get_ident()
-        self.peak_pending_grad_bytes = 0
         for unit in self.units:
             for group in unit.groups:
                 group.refresh()
@@ -564,23 +551,14 @@ class Root:
             self._queue_end_of_backward()
 
     def start_reduce(self, unit: Unit) -> None:
-        """A unit's gradients are ready: reduce them, with those of the units before it while the batch stays
-        below :attr:`fuse_reductions_below` bytes."""
-        self._ready.extend(group for group in unit.groups if group.reduce_grads and group not in self._ready)
-        pending = sum(group.pending_grad_bytes() for group in self._ready)
-        self.peak_pending_grad_bytes = max(self.peak_pending_grad_bytes, pending)
-        if pending >= self.fuse_reductions_below:
-            self.flush_reductions(unit)
-
-    def flush_reductions(self, unit: Optional[Unit] = None) -> None:
-        """Reduce the batch, keeping at most one batch's reductions in flight: finishing the previous ones here
-        bounds memory and overlaps them with this backward."""
-        ready, self._ready = self._ready, []
-        if not ready:
+        """A unit's gradients are ready: reduce them, keeping at most one unit's reductions in flight (finishing
+        the previous ones here bounds memory and overlaps them with this backward)."""
+        groups = [group for group in unit.groups if group.reduce_grads]
+        if not groups:
             return
         self.finish_reduces()
-        with (unit or self.root).profiled("reduce-scatter"):
-            self.pending_reduces.extend(self._reduce_groups(ready))
+        with unit.profiled("reduce-scatter"):
+            self.pending_reduces.extend(reduction for group in groups for reduction in group._start_reduce())
 
     def finish_reduces(self) -> None:
         pending, self.pending_reduces = self.pending_reduces, []
@@ -599,9 +577,7 @@ class Root:
             self.complete_backward()
 
     def complete_backward(self) -> None:
-        """Reduce what waits in a batch, wait for the reductions in flight, then reshard or keep, as each group's
-        policy says."""
-        self.flush_reductions()
+        """Wait for the reductions in flight, then reshard or keep, as each group's policy says."""
         self.finish_reduces()
         self._after_reductions()
         for unit in self.units:
@@ -621,7 +597,6 @@ class Root:
         for reduction in self.pending_reduces:
             reduction.abandon()
         self.pending_reduces.clear()
-        self._ready.clear()
         for unit in self.units:
             unit.phase = TrainingPhase.IDLE
             unit.forwards_with_grad = 0

@@ -59,8 +59,8 @@ def memory_report(cell: nn.Cell, optimizer: Optional[nn.Optimizer] = None) -> di
         "main_grad": meter["main_grad_live"],
         "optim": _nbytes(optim_state),
         # unsharded gradients (autograd's) held until their reduction, at most, in the last backward: a whole
-        # model's for ZeRO-1, which reduces at the end of backward as DP does; a batch's for the others
-        "grads_in_backward": max((s.context.peak_pending_grad_bytes for s in states if s.context is not None),
+        # model's for ZeRO-1, which reduces at the end of backward as DP does; a unit's for the others
+        "grads_in_backward": max((s.context.peak_grads_in_backward for s in states if s.context is not None),
                                  default=0),
         "comm_live": meter["live"],  # all owned storage: unsharded parameters, buffers, main gradients
         "comm_peak": meter["peak"],

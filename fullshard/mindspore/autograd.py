@@ -7,9 +7,14 @@
   for a gradient (inside ``ms.value_and_grad`` / ``ms.grad``);
 * ``_pynative_executor.queue_backward_final_callback`` runs a function once,
   after the last gradient of the backward pass in flight, before
-  ``value_and_grad`` returns. It may only be queued during that backward.
+  ``value_and_grad`` returns. It may only be queued during that backward;
+* ``_pynative_executor.clear_res()`` drops the graph a recorded forward left
+  half-built when it raised: ``value_and_grad`` opens it and closes it only
+  when the function returns, so without this the next ``value_and_grad``
+  records inside the broken one and its backward fails (``LayerNormGrad``
+  index errors, also without fullshard; ``tests/test_mindspore_facts.py``).
 
-All three are private MindSpore API; a MindSpore upgrade that changes them
+All four are private MindSpore API; a MindSpore upgrade that changes them
 breaks here, and only here.
 """
 from __future__ import annotations
@@ -33,6 +38,11 @@ def recording() -> bool:
 def queue_after_backward(callback: Callable[[], None]) -> None:
     """Run ``callback`` once the backward pass in flight has computed every gradient."""
     _pynative_executor.queue_backward_final_callback(callback)
+
+
+def drop_failed_recording() -> None:
+    """A recorded forward raised: forget what MindSpore recorded of it, so the next step records afresh."""
+    _pynative_executor.clear_res()
 
 
 def in_pynative_mode() -> bool:

@@ -207,7 +207,7 @@ def reduce_to_chunk(how: Reduction, params: Sequence[ShardedParam], grads: Seque
     """
     layouts = tuple(p.layout for p in params)
     bucket = fused_bucket(layouts)
-    # (the sharded gradient is always written into the placeholder the bucket's bprop returned: a copy)
+    # (the sharded gradient is always copied out of the result, which is freed next)
     reduction = plan_reduce(bucket, layouts, ReduceFacts(
         grad_dtype_is_wire_dtype=all(g.dtype == how.wire_dtype for g in grads),
         grads_contiguous=all(g.is_contiguous() for g in grads), reduce_dtype_is_param_dtype=False,
@@ -233,7 +233,3 @@ def divided(chunk: Tensor, divide_factor: float) -> Tensor:
     """This rank's chunk of the reduced sum, divided out of place (in-place division is a no-op on CPU)."""
     return chunk / divide_factor if divide_factor != 1 else chunk
 
-
-def sharded_grad(local: Tensor, stored_dtype: Any) -> Tensor:
-    """The sharded gradient in the parameter's stored dtype, from its reduced value (a cast copies)."""
-    return local.astype(stored_dtype) if local.dtype != stored_dtype else local

@@ -4,41 +4,42 @@ their storage, collectives and gradients.
 The lifecycle (``fullshard.core.lifecycle.Group``) decides when to gather, free, keep and reduce; this class
 supplies MindSpore's operations for it:
 
-* gathering: each bucket's unsharded tensors are storage of fullshard's own, allocated by the first gather,
-  reclaimed on reshard and refilled by every later gather, storage to storage, so the tensors autograd saved
-  stay the same objects; one differentiable gather per bucket (:class:`BucketGather`) hands them to the
-  cells, and its bprop receives their gradients;
-* gradients: a bprop returns placeholders of the shards' shapes, owned by fullshard until the reduction
-  fills them (``value_and_grad`` returns the filled data); the unit reduces once its backward is done, with
-  the other units in a batch (``reduce_groups``): one collective per kind of reduction instead of one per
-  bucket. A bucket a forward used more than once is reduced at its last bprop instead, and returns the
-  result: MindSpore sums the bprops of two uses as they come, so a placeholder filled later would be lost.
+* gathering: each bucket's unsharded tensors are storage of fullshard's own, made (empty) with the group and
+  refilled by every gather, storage to storage, so the tensors autograd saved stay the same objects, and a
+  node built before a gather (the root's, ``unit.py``) already holds the tensors that gather fills;
+* gradients: a unit's forward shows its tensors through one differentiable gather (:class:`UnitGather`) whose
+  bprop receives the gradients of all of them at once (zeros for a tensor no gradient reached on this rank:
+  an MoE expert without tokens) and returns this rank's reduced chunks (:func:`reduce_in_bprop`). The
+  reduction completes inside the bprop, so whatever reads the gradient after it (MindSpore adding another
+  term of the same Parameter, a hook, the optimizer, ``main_grad``) reads the final value; and every rank
+  reduces every bucket the node carries, in the plan's order, whichever gradients arrived.
 """
 from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 from mindspore import Tensor, nn, ops
 
 from fullshard.core.lifecycle import Group
 from fullshard.mindspore import buffers, collectives
 from fullshard.mindspore.autograd import no_grad
-from fullshard.mindspore.buckets import Reduction, divided, gather_bucket, member_chunk, reduce_to_chunk, sharded_grad
-from fullshard.mindspore.buffers import Borrowed, Kind, Owned
+from fullshard.mindspore.buckets import Reduction, divided, gather_bucket, member_chunk, reduce_to_chunk
+from fullshard.mindspore.buffers import Kind, Owned
 from fullshard.mindspore.collectives import Comm
 from fullshard.mindspore.group_plan import GroupPlan
 from fullshard.mindspore.param import ShardedParam
 from fullshard.mindspore.policies import dtype_name
 from fullshard.plan import Unsharded
 from fullshard.plan.backends import Backend, Collectives
+from fullshard.plan.layout import FUSE_REDUCTIONS_BELOW_BYTES
 from fullshard.plan.strategy import AfterBackward
 
 
 @dataclass(eq=False)
 class Gathered:
-    """A bucket's unsharded tensors (one per member) and the owned storage behind them (none: the replicas)."""
+    """A bucket's unsharded tensors (one per member) and the owned storage behind them (none: replica views)."""
 
     tensors: tuple[Tensor, ...]
     storage: list[Owned] = field(default_factory=list)
@@ -49,36 +50,31 @@ class Gathered:
                 owned.reclaim()
 
 
-@dataclass(eq=False)
-class GradEntry:
-    """One parameter's gradient waiting for its reduction, and where the result goes."""
-
-    param: ShardedParam
-    grad: Tensor  # full shape: autograd's (borrowed), or a sum fullshard owns
-    placeholder: Optional[Owned]  # what the bprop returned, filled by the reduction; None: the result is returned
-    lenders: list[Borrowed] = field(default_factory=list)
-
-
-class BucketGather(nn.Cell):
-    """All-gather of one bucket as a Cell with a custom bprop.
+class UnitGather(nn.Cell):
+    """The all-gather of the groups one node carries, as a Cell with a custom bprop: one node per forward use.
 
     MindSpore runs a custom-bprop Cell's ``construct`` without recording it, so the gather itself is not
-    differentiated; ``bprop`` receives the gradients of the unsharded tensors (borrowed from autograd) and
-    returns one gradient per shard, which is what ``value_and_grad`` hands out for the shard Parameters.
+    differentiated; its outputs are the very tensors it returns (fullshard's storage, filled by the gathers).
+    ``bprop`` receives the gradients of every output (zeros where none arrived) and returns one reduced
+    gradient per shard, which is what ``value_and_grad`` (and every other consumer) gets for the shards.
     """
 
-    def __init__(self, group: "ParamGroup", index: int) -> None:
+    def __init__(self, carried: Callable[[], list[Any]], on_reduced: Callable[[list[Any], int], None]) -> None:
         super().__init__()
-        # Not a Cell attribute of the model: kept outside its tree, and weakly, so the model owns the group.
-        self._group = weakref.ref(group)
-        self._index = index
+        # Kept outside the model's tree (plain callables of the unit, weakly held), so the model owns its units.
+        self._carried = carried  # the units whose tensors this node carries
+        self._on_reduced = on_reduced  # told which units' gradients were reduced, and the bytes they held
 
     def construct(self, *shards: Tensor) -> tuple[Tensor, ...]:
-        return self._group().gathered[self._index].tensors
+        return tuple(t for unit in self._carried() for group in unit.groups for t in group.tensors())
 
     def bprop(self, *args: Any) -> tuple[Tensor, ...]:
         douts = args[-1]
-        return self._group().deliver(self._index, (douts,) if isinstance(douts, Tensor) else tuple(douts))
+        douts = (douts,) if isinstance(douts, Tensor) else tuple(douts)
+        units = self._carried()
+        grads = reduce_in_bprop([group for unit in units for group in unit.groups], douts)
+        self._on_reduced(units, sum(d.nbytes for d in douts))
+        return grads
 
 
 class ParamGroup(Group):
@@ -96,22 +92,21 @@ class ParamGroup(Group):
         after_backward: AfterBackward = AfterBackward.RESHARD,
     ) -> None:
         super().__init__(after_backward)
-        self.params = params
         self.comm = comm
         # HSDP: the chunks reduced within ``comm`` are summed across the replicas of ``replica`` too, unless
         # ``all_reduce_grads`` is off: partial sums then wait, owned, for a backward with it on.
         self.replica = replica
         self.replicated = replicated  # no_shard / replicate_params: nothing to gather, gradients all-reduced
+        self.plan = GroupPlan(params, reduce_dtype, module_name, fuse_below_numel, collectives_, backend)
+        # In bucket order: how a node takes the shards and hands out the tensors and the gradients.
+        self.params = [params[i] for bucket in self.plan.buckets for i in bucket.members]
         for param in params:
             param.group = self
-        self.plan = GroupPlan(params, reduce_dtype, module_name, fuse_below_numel, collectives_, backend)
-        self.gathers = [BucketGather(self, index) for index in range(len(self.plan.buckets))]
-        self.gathered: list[Optional[Gathered]] = [None] * len(self.plan.buckets)
+        self.gathered: list[Gathered] = [self._empty(index) for index in range(len(self.plan.buckets))]
+        # The outputs of the node that carries this group in this pass: what the cells show, so that backward
+        # reaches that node's bprop (None: no recorded forward carried it since the pass began).
+        self.carried_outputs: Optional[tuple[Tensor, ...]] = None
         self.divide_factor: Optional[float] = None
-        self._entries: list[GradEntry] = []  # delivered in this backward, waiting for the reduction
-        # bucket -> (its bprops still to come in this backward, its uses by the recorded forwards)
-        self._uses: dict[int, tuple[int, int]] = {}
-        self.on_delivered: Optional[Callable[[], None]] = None  # the unit counts its buckets' bprops
 
     @property
     def module_name(self) -> str:
@@ -128,27 +123,44 @@ class ParamGroup(Group):
     def divisor(self) -> float:
         return self.divide_factor if self.divide_factor is not None else float(self.data_parallel_size)
 
-    # ------------------------------------------------------------------ gathering (core.lifecycle.Group)
-    def _start_gather(self) -> None:
-        """Gather every bucket: into the storage of the tensors handed out before, or, the first time, new."""
-        with no_grad():
-            for index in range(len(self.plan.buckets)):
-                fresh, kept = self._gather(index), self.gathered[index]
-                if kept is None or not kept.storage:  # the first gather, or replicas (nothing to refill)
-                    self.gathered[index] = fresh
-                    continue
-                for owned, new in zip(kept.storage, fresh.storage):
-                    buffers.refill(owned, new.tensor)
-                fresh.reclaim()
+    @property
+    def requires_grad(self) -> bool:
+        """Whether any parameter wants a gradient now (``requires_grad`` may change after ``fully_shard``)."""
+        return any(p.requires_grad for p in self.params)
 
-    def _gather(self, index: int) -> Gathered:
-        if not self.replicated:
-            storage = gather_bucket(self.plan, index, self.comm)
-            return Gathered(tuple(s.tensor for s in storage), storage)
-        # A replica is its own unsharded parameter: a view of it (borrowed), or an owned cast copy (plan_replica).
+    # ------------------------------------------------------------------ gathering (core.lifecycle.Group)
+    def _empty(self, index: int) -> Gathered:
+        """A bucket's tensors before any gather: fullshard's storage, reclaimed (replicas: views of themselves)."""
+        if self.replicated:
+            return self._replicas(index)
+        storage = []
+        for param in self.plan.members(index):
+            storage.append(buffers.zeros(param.layout.shape, param.compute_dtype,
+                                         f"unsharded parameter '{param.fqn}' of cell '{self.module_name}'", Kind.WORKING))
+            storage[-1].reclaim()
+        return Gathered(tuple(s.tensor for s in storage), storage)
+
+    def tensors(self) -> tuple[Tensor, ...]:
+        """Every member's unsharded tensor, in bucket order (what a node returns for this group)."""
+        return tuple(t for gathered in self.gathered for t in gathered.tensors)
+
+    def _start_gather(self) -> None:
+        """Gather every bucket into the storage of the tensors handed out before."""
+        with no_grad():
+            for index, kept in enumerate(self.gathered):
+                if self.replicated:
+                    self.gathered[index] = self._replicas(index)
+                    continue
+                fresh = gather_bucket(self.plan, index, self.comm)
+                for owned, new in zip(kept.storage, fresh):
+                    buffers.refill(owned, new.tensor)
+                buffers.release_all(fresh)
+
+    def _replicas(self, index: int) -> Gathered:
+        """A replica is its own unsharded parameter: a view of it (borrowed), or an owned cast copy (plan_replica)."""
         tensors, storage = [], []
         for i in self.plan.buckets[index].members:
-            param = self.params[i]
+            param = self.plan.params[i]
             if self.plan.replica_plans[i] is Unsharded.OWN_STORAGE:
                 storage.append(buffers.adopt(
                     param.sharded.astype(param.compute_dtype),
@@ -163,27 +175,12 @@ class ParamGroup(Group):
     def _finish_gather(self) -> None:
         """MindSpore's collectives on CPU complete when issued: nothing to wait for."""
 
-    def use_in_forward(self, recording: bool) -> int:
-        """Show every bucket through its differentiable gather, so a recorded forward's backward reaches the
-        bprops; the number of bprops to expect."""
-        expected = 0
-        for index, gather in enumerate(self.gathers):
-            members = self.plan.members(index)
-            outputs = gather(*[p.sharded for p in members])
-            for param, tensor in zip(members, (outputs,) if isinstance(outputs, Tensor) else outputs):
-                param.show(tensor)
-            if recording and members[0].requires_grad:
-                remaining, uses = self._uses.get(index, (0, 0))
-                self._uses[index] = (remaining + 1, uses + 1)  # bprops to come, and uses in all
-                expected += 1
-        return expected
-
     def show(self) -> None:
-        """The cells' attributes show the unsharded tensors."""
-        for index, gathered in enumerate(self.gathered):
-            if gathered is not None:
-                for param, tensor in zip(self.plan.members(index), gathered.tensors):
-                    param.show(tensor)
+        """The cells' attributes show the outputs of the node that carries this group in this pass, or else
+        the gathered tensors (no gradient reaches the shards through those)."""
+        shown = self.carried_outputs if self.carried_outputs is not None else self.tensors()
+        for param, tensor in zip(self.params, shown):
+            param.show(tensor)
 
     def _hide(self) -> None:
         for param in self.params:
@@ -192,14 +189,15 @@ class ParamGroup(Group):
     def _free(self, keep_post_forward_chunks: bool) -> None:
         self._hide()
         for gathered in self.gathered:
-            if gathered is not None:
-                gathered.reclaim()
+            gathered.reclaim()
 
     def _keep(self) -> None:
         self._hide()
 
     def _keep_for_backward(self) -> None:
-        self._hide()  # the cells show their shards between forward and backward; autograd holds the tensors
+        """Until backward, the cells keep showing the node's outputs (as FSDP2's modules show the unsharded
+        parameters): a use outside the unit's forward (a tied projection or a penalty in the loss) then
+        reaches the same node, and its gradient is reduced with the rest."""
 
     def _shards_changed(self) -> bool:
         # MindSpore keeps no version counter an optimizer step moves; the lifecycle's rule gathers afresh at
@@ -208,65 +206,30 @@ class ParamGroup(Group):
 
     def _abandon_gathers(self) -> None:
         self._free(keep_post_forward_chunks=False)
-        self._uses.clear()
 
     # ------------------------------------------------------------------ gradients (core.lifecycle.Group)
-    def deliver(self, index: int, grads: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
-        """Bucket ``index``'s bprop: autograd's gradients (full shape, borrowed) -> what ``value_and_grad`` is
-        handed for each member's shard."""
-        members = self.plan.members(index)
-        if not members[0].requires_grad:
-            return _zeros(members)
-        try:
-            return self._take(index, members, grads)
-        finally:
-            if self.on_delivered is not None:
-                self.on_delivered()
-
-    def _take(self, index: int, members: list[ShardedParam], grads: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
-        remaining, uses = self._uses.pop(index, (1, 1))
-        if remaining > 1:
-            self._uses[index] = (remaining - 1, uses)
-        if not self.reduce_grads or remaining > 1:
-            # without sync, or another bprop of this backward delivers this bucket again: sum until then
-            for param, grad in zip(members, grads):
-                param.accumulate_grad(grad, self.plan.wire_dtype(self.plan.reduce_dtype(param)))
-            return _zeros(members)
-        entries = [self._entry(p, p.take_grad(g), placeholder=uses == 1) for p, g in zip(members, grads)]
-        if uses > 1:
-            return reduce_now(self, entries)
-        self._entries.extend(entries)
-        return tuple(e.placeholder.tensor for e in entries)
-
-    def _entry(self, param: ShardedParam, grad: Tensor, placeholder: bool) -> GradEntry:
-        lenders = [buffers.borrow(grad, f"incoming gradient of '{param.fqn}'")]
-        shape = param.layout.local_shape(param.rank)
-        owned = buffers.zeros(shape, param.stored_dtype, f"gradient of '{param.fqn}' (filled by its reduction)") \
-            if placeholder else None
-        return GradEntry(param, grad, owned, lenders)
-
     def has_pending_grads(self) -> bool:
-        """Gradients delivered in this backward, or kept for a later synced one (accumulators, partial sums)."""
-        return bool(self._entries) or any(p.grad_accumulator is not None or p.partial is not None for p in self.params)
-
-    def pending_grad_bytes(self) -> int:
-        return sum(e.grad.nbytes for e in self._entries)
-
-    def take_entries(self) -> list[GradEntry]:
-        entries, self._entries = self._entries, []
-        return entries
+        """Gradients kept for a later synced backward (accumulators, partial sums)."""
+        return any(p.grad_accumulator is not None or p.partial is not None for p in self.params)
 
     def _start_reduce(self) -> list:
-        reduce_groups([self])
+        """Reductions complete inside the bprops; what waits is a sum for a later backward, or a sum no synced
+        backward reached (the unit got no gradient while sync was on): that one cannot reach the gradients
+        ``value_and_grad`` returns, so it fails loudly (the same on every rank) instead of vanishing."""
+        if self.reduce_grads and any(p.grad_accumulator is not None for p in self.params):
+            names = [p.fqn for p in self.params if p.grad_accumulator is not None]
+            raise RuntimeError(
+                f"cell '{self.module_name}': gradients of {names[:3]} were accumulated with gradient sync off, "
+                "but the backward with sync on did not reach them (the cell's outputs got no gradient), so their "
+                "reduction has no gradient to land in; use the cell in the backward that syncs, or call "
+                "set_requires_gradient_sync(True) before the last micro-batch that uses it"
+            )
         return []
 
     def _abandon_grads(self) -> None:
-        """Forget gradients kept for later and those waiting for a reduction (a step raised)."""
-        for entry in self.take_entries():
-            _release(entry)
+        """Forget gradients kept for later (a step raised)."""
         for param in self.params:
             param.drop_grads()
-        self._uses.clear()
 
     def reduction(self, param: ShardedParam) -> tuple:
         """What a gradient of ``param`` is reduced with: gradients that share it share one collective."""
@@ -276,79 +239,100 @@ class ParamGroup(Group):
         return how, self.divisor, self.replica, self.all_reduce_grads
 
 
-def reduce_groups(groups: list[ParamGroup]) -> None:
-    """Reduce the gradients these groups' bprops delivered, and fill the placeholders: one collective for every
-    gradient that shares how it is reduced (comm, dtypes, divisor, replicas), whichever unit it belongs to;
-    a gradient as large as the plan's fusion threshold travels alone (its own bytes, zero copy where the plan
-    allows)."""
-    batches: dict[tuple, list[tuple[ParamGroup, GradEntry]]] = {}
+@dataclass(eq=False)
+class _Request:
+    """One parameter's unsharded gradient to reduce in a bprop, and its result once reduced."""
+
+    group: ParamGroup
+    param: ShardedParam
+    grad: Tensor  # full shape: autograd's (borrowed while read), or an accumulated sum fullshard owns
+    result: Optional[Tensor] = None
+
+
+def reduce_in_bprop(groups: list[ParamGroup], douts: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
+    """A node's bprop: the gradients of every tensor it showed (in its groups' order) -> each shard's gradient.
+
+    Buckets in which no parameter wants a gradient return zeros; without gradient sync the gradients are summed
+    for later and zeros returned. Every other bucket is reduced here, whether or not a gradient reached it on
+    this rank (MindSpore hands zeros then), so every rank issues the same collectives in the same order.
+    """
+    requests, offset = [], 0
     for group in groups:
-        for entry in group.take_entries():
-            alone = entry.param.layout.padded_chunk_numel >= group.plan.fuse_below_numel
-            key = group.reduction(entry.param)
-            batches.setdefault((id(entry) if alone else key[0].comm.group, *key), []).append((group, entry))
-    try:
-        while batches:
-            key = next(iter(batches))
-            _reduce_batch(batches.pop(key), *key[1:])
-    finally:  # a reduction raised: the others' gradients are let go of, as a failed step's
-        for batch in batches.values():
-            for _, entry in batch:
-                _release(entry)
+        for index in range(len(group.plan.buckets)):
+            members = group.plan.members(index)
+            grads, offset = douts[offset:offset + len(members)], offset + len(members)
+            if not any(p.requires_grad for p in members):
+                continue
+            if not group.reduce_grads:  # sync off: sum for the backward that syncs
+                for param, grad in zip(members, grads):
+                    param.accumulate_grad(grad, group.plan.wire_dtype(group.plan.reduce_dtype(param)))
+                continue
+            requests.extend(_Request(group, p, p.take_grad(g)) for p, g in zip(members, grads))
+    _reduce_requests(requests)
+    reduced = {id(r.param): r.result for r in requests}
+    return tuple(
+        reduced.get(id(param)) if reduced.get(id(param)) is not None else _zeros(param)
+        for group in groups for param in group.params
+    )
 
 
-def reduce_now(group: ParamGroup, entries: list[GradEntry]) -> tuple[Tensor, ...]:
-    """A bucket reduced at its last bprop (it was used more than once): the results are returned, not filled."""
-    how = group.reduction(entries[0].param)
-    return _reduce_batch([(group, e) for e in entries], *how)
+def _reduce_requests(requests: list[_Request]) -> None:
+    """One collective per batch of gradients that share how they are reduced (comm, dtypes, divisor, replicas),
+    in order, each batch up to ``FUSE_REDUCTIONS_BELOW_BYTES``; a gradient as large as its group's fusion
+    threshold travels alone (its own bytes, zero copy where the plan allows)."""
+    batches: list[tuple[tuple, list[_Request]]] = []
+    open_batch: dict[tuple, list[_Request]] = {}
+    for request in requests:
+        key = request.group.reduction(request.param)
+        if request.param.layout.padded_chunk_numel >= request.group.plan.fuse_below_numel:
+            batches.append((key, [request]))
+            continue
+        batch = open_batch.get(key)
+        if batch is None or sum(r.grad.nbytes for r in batch) >= FUSE_REDUCTIONS_BELOW_BYTES:
+            batch = open_batch[key] = []
+            batches.append((key, batch))
+        batch.append(request)
+    for key, batch in batches:
+        _reduce_batch(batch, *key)
 
 
-def _reduce_batch(batch: list[tuple[ParamGroup, GradEntry]], how: Reduction, divisor: float,
-                  replica: Optional[Comm], all_reduce_grads: bool) -> tuple[Tensor, ...]:
-    entries = [entry for _, entry in batch]
-    params = [e.param for e in entries]
+def _reduce_batch(batch: list[_Request], how: Reduction, divisor: float, replica: Optional[Comm],
+                  all_reduce_grads: bool) -> None:
+    params = [r.param for r in batch]
     label = _batch_label(batch)
+    lenders = [buffers.borrow(r.grad, f"incoming gradient of '{r.param.fqn}'") for r in batch]
     try:
         with no_grad():
-            output, bucket, offset = reduce_to_chunk(how, params, [e.grad for e in entries], label)
+            output, bucket, offset = reduce_to_chunk(how, params, [r.grad for r in batch], label)
     finally:
-        for entry in entries:
-            for lender in entry.lenders:
-                lender.release()
+        buffers.release_all(lenders)
     try:
         with no_grad():
             chunk = output.tensor.narrow(0, offset, bucket.chunk_numel)  # this rank's chunk of every member: a view
             if replica is not None:
-                chunk, summed = _sum_across_replicas(entries, bucket, chunk, replica, all_reduce_grads, label)
+                chunk, summed = _sum_across_replicas(params, bucket, chunk, replica, all_reduce_grads, label)
                 if chunk is None:
-                    return _zeros(params)  # partial sums, kept for a later backward
+                    return  # partial sums, kept for a later backward; zeros are returned meanwhile
                 output.reclaim()
                 output = summed
-            return _fill(entries, bucket, divided(chunk, divisor), output.tensor)
+            _results(batch, bucket, divided(chunk, divisor), output.tensor)
     finally:
         output.reclaim()
 
 
-def _fill(entries: list[GradEntry], bucket: Any, chunk: Tensor, reduced: Tensor) -> tuple[Tensor, ...]:
-    """Each member's sharded gradient out of this rank's (divided) chunk: into its placeholder, or returned."""
-    results = []
-    for index, entry in enumerate(entries):
-        param = entry.param
+def _results(batch: list[_Request], bucket: Any, chunk: Tensor, reduced: Tensor) -> None:
+    """Each member's sharded gradient out of this rank's (divided) chunk: storage of its own, in the stored dtype,
+    handed to autograd (never written by fullshard again); ``main_grad`` adds it."""
+    for index, request in enumerate(batch):
+        param = request.param
         local = member_chunk(chunk, bucket, index, param)
         if local is None:
-            results.append(ops.zeros(param.layout.local_shape(param.rank), param.stored_dtype))
-            if entry.placeholder is not None:
-                entry.placeholder.hand_off()
-            continue
-        param.add_to_main_grad(local)
-        if entry.placeholder is not None:
-            buffers.assign(entry.placeholder, sharded_grad(local, param.stored_dtype), "fill the gradient placeholder")
-            results.append(entry.placeholder.hand_off())  # the caller's gradient now: never written again
-        else:  # returned as it is: out of the reduced buffer, which is freed next
-            grad = sharded_copy(local, param.stored_dtype)
-            buffers.check_fresh(grad, (reduced,), f"sharded gradient of '{param.fqn}'")
-            results.append(grad)
-    return tuple(results)
+            continue  # this rank holds none of it: zeros
+        if param.requires_grad:
+            param.add_to_main_grad(local)
+        grad = sharded_copy(local, param.stored_dtype)
+        buffers.check_fresh(grad, (reduced,), f"sharded gradient of '{param.fqn}'")
+        request.result = grad
 
 
 def sharded_copy(local: Tensor, stored_dtype: Any) -> Tensor:
@@ -356,42 +340,39 @@ def sharded_copy(local: Tensor, stored_dtype: Any) -> Tensor:
     return local.astype(stored_dtype) if local.dtype != stored_dtype else local.copy()
 
 
-def _sum_across_replicas(entries, bucket, chunk, replica, all_reduce_grads, label) -> tuple:
+def _sum_across_replicas(params, bucket, chunk, replica, all_reduce_grads, label) -> tuple:
     """HSDP: this rank's chunk, plus any partial sums, summed across replicas; or kept as partial sums (None)."""
-    layouts = [e.param.layout for e in entries]
+    layouts = [p.layout for p in params]
     pieces, any_partial = [], False
-    for index, entry in enumerate(entries):
+    for index, param in enumerate(params):
         start, end = bucket.member_span(index, layouts)
         piece = chunk.narrow(0, start, end - start)
-        if entry.param.partial is not None:
-            piece, any_partial = piece + entry.param.partial.tensor, True
+        if param.partial is not None:
+            piece, any_partial = piece + param.partial.tensor, True
         pieces.append(piece)
     if not all_reduce_grads:
-        for entry, piece in zip(entries, pieces):
-            entry.param.keep_partial(piece)
-            if entry.placeholder is not None:
-                entry.placeholder.hand_off()  # stays zeros: nothing is summed across replicas yet
+        for param, piece in zip(params, pieces):
+            param.keep_partial(piece)
         return None, None
     total = ops.cat(pieces) if any_partial else chunk
     summed = buffers.adopt(collectives.all_reduce(total, replica), f"replica-summed gradient of {label}", (total,))
-    for entry in entries:
-        entry.param.drop_partial()
+    for param in params:
+        param.drop_partial()
     return summed.tensor, summed
 
 
-def _batch_label(batch: list[tuple[ParamGroup, GradEntry]]) -> str:
-    names = [e.param.fqn for _, e in batch]
+def _batch_label(batch: list[_Request]) -> str:
+    names = [r.param.fqn for r in batch]
     shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
-    cells = ", ".join(dict.fromkeys(f"'{g.module_name}'" for g, _ in batch))
+    cells = ", ".join(dict.fromkeys(f"'{r.group.module_name}'" for r in batch))
     return f"[{shown}] of cell {cells}"
 
 
-def _release(entry: GradEntry) -> None:
-    for lender in entry.lenders:
-        lender.release()
-    if entry.placeholder is not None:
-        entry.placeholder.hand_off()
+def _zeros(param: ShardedParam) -> Tensor:
+    return ops.zeros(param.layout.local_shape(param.rank), param.stored_dtype)
 
 
-def _zeros(members) -> tuple[Tensor, ...]:
-    return tuple(ops.zeros(p.layout.local_shape(p.rank), p.stored_dtype) for p in members)
+def carried_by(unit: Any) -> Callable[[], list[Any]]:
+    """A weak callable for a unit's node: the units it carries (``unit.carrying``)."""
+    ref = weakref.ref(unit)
+    return lambda: ref().carrying if ref() is not None else []

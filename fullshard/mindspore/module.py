@@ -96,6 +96,18 @@ class FSDPModule:
             raise ValueError(f"set_reduce_op_type: {op!r} is not 'avg' or 'sum'")
         self._configure(True, divide_factor=1.0 if op == "sum" else None)
 
+    def set_reduce_scatter_unused_params(self, reduce_scatter_unused_params: bool, *, recurse: bool = True) -> None:
+        """True: for units whose gradients may reach some ranks and not others in a step (an MoE expert that got
+        no token on a rank, as its own unit).
+
+        Their gradients are reduced by the root's gather, once every use of them is done, on every rank in the
+        same order (a rank where no gradient reached them takes part with zeros), and they keep their parameters
+        gathered from forward to the end of backward (a gather in backward would be a collective that the ranks
+        without their backward never join). Parameters in a unit that always gets some gradient need nothing:
+        the unit's gather reduces all of them, with zeros for the ones that got none on a rank.
+        """
+        self._configure(recurse, reduce_unused_params=bool(reduce_scatter_unused_params))
+
     def set_is_last_backward(self, is_last_backward: bool) -> None:
         """Accepted for compatibility; nothing to do: every backward completes its reductions before
         ``value_and_grad`` returns."""

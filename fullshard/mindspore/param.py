@@ -54,7 +54,6 @@ class ShardedParam:
         # Replicated parameters (no_shard, replicate_params) keep the whole tensor: a layout over a world of one.
         self.replicated = replicated
         self.rank = 0 if replicated else rank
-        self.requires_grad = param.requires_grad
         self.stored_dtype = param.dtype
         self.compute_dtype = compute_dtype or param.dtype
         # Gradients summed across backward passes without sync, full shape, in the reduce dtype (owned).
@@ -67,14 +66,17 @@ class ShardedParam:
         self.sharded = Parameter(local, name=param.name, requires_grad=param.requires_grad)
         setattr(self.sharded, SHARDED_ATTR, self)
         self.main_grad: Optional[Owned] = None
-        self._main_grad = main_grad and self.requires_grad
+        self._main_grad = main_grad  # MixedPrecisionPolicy(apply_grad_on_fp32_main_grad=True)
+
+    @property
+    def requires_grad(self) -> bool:
+        """The shard's own flag, read when it matters: it may change after ``fully_shard`` (freeze, unfreeze)."""
+        return self.sharded.requires_grad
 
     def install(self) -> None:
         """Put the shard in place of the original in every owner cell (the only step that changes them)."""
-        if self._main_grad:
-            shape = self.layout.local_shape(self.rank)
-            self.main_grad = buffers.zeros(shape, ms.float32, f"main_grad of '{self.fqn}'", Kind.MAIN_GRAD)
-            self.sharded.main_grad = self.main_grad.tensor
+        if self._main_grad and self.requires_grad:
+            self._make_main_grad()
         setattr(self.sharded, MANAGED_ATTR, True)
         setattr(self._original, MANAGED_ATTR, True)
         self._original = None
@@ -126,7 +128,14 @@ class ShardedParam:
         accumulated, self.grad_accumulator = self.grad_accumulator.hand_off(), None
         return accumulated
 
+    def _make_main_grad(self) -> None:
+        shape = self.layout.local_shape(self.rank)
+        self.main_grad = buffers.zeros(shape, ms.float32, f"main_grad of '{self.fqn}'", Kind.MAIN_GRAD)
+        self.sharded.main_grad = self.main_grad.tensor
+
     def add_to_main_grad(self, reduced: Tensor) -> None:
+        if self._main_grad and self.main_grad is None:  # frozen when fully_shard ran, trained now
+            self._make_main_grad()
         if self.main_grad is not None:
             buffers.accumulate(self.main_grad, reduced.astype(ms.float32) if reduced.dtype != ms.float32 else reduced,
                                "accumulate into main_grad")

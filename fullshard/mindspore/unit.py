@@ -3,18 +3,20 @@
 Where MindSpore (PyNative, inside ``value_and_grad``) tells a unit where it is in a step:
 
 * forward pre-hook of the unit's first cell in a pass: the root's forward begins a step; gather
-  (``Unit.pre_forward``) and show the tensors through each bucket's differentiable gather; the other cells of
-  the unit show them too;
+  (``Unit.pre_forward``) and show the tensors through the unit's differentiable gather (``group.UnitGather``);
+  the other cells of the unit show them too;
 * forward hook of its last cell: ``Unit.post_forward`` (keep or reshard);
 * backward pre-hook: ``Unit.pre_backward`` (gather again into the storage autograd saved), which also queues
   the end-of-backward callback;
-* the last of its buckets' bprops for a backward (each hands over its gradients): ``Unit.post_backward``, so
-  the unit's gradients are reduced together, with those of other units while their bytes stay below
-  ``plan.layout.FUSE_REDUCTIONS_BELOW_BYTES``;
+* the gather's bprop: every gradient of the unit's tensors is there; they are reduced in it and the unit's
+  ``Unit.post_backward`` follows. The units that reduce at the end of backward (ZeRO-1, and units whose
+  gradients may reach only some ranks: ``set_reduce_scatter_unused_params``) show their tensors through the
+  root's gather instead, whose bprop comes after every use of them, on every rank;
 * MindSpore's final callback of the backward: ``Root.end_of_backward``.
 """
 from __future__ import annotations
 
+import sys
 import threading
 from functools import partial
 from typing import Any, Iterator, Optional
@@ -25,32 +27,28 @@ from fullshard.core.agreement import check_ranks_agree
 from fullshard.core.lifecycle import Root, TrainingPhase, Unit
 from fullshard.core.trees import map_leaves
 from fullshard.core.units import named_under
-from fullshard.mindspore.autograd import queue_after_backward, recording
+from fullshard.mindspore.autograd import drop_failed_recording, queue_after_backward, recording
 from fullshard.mindspore.collectives import sum_floats
-from fullshard.mindspore.group import ParamGroup, reduce_groups
+from fullshard.mindspore.group import ParamGroup, UnitGather, carried_by
 from fullshard.mindspore.policies import FLOAT_DTYPES, MixedPrecisionPolicy
-from fullshard.plan.layout import FUSE_REDUCTIONS_BELOW_BYTES
 from fullshard.plan.strategy import Strategy
 
 _active = threading.local()
 
 class StepRoot(Root):
-    fuse_reductions_below = FUSE_REDUCTIONS_BELOW_BYTES
+    def __init__(self, root: "ShardedUnit") -> None:
+        super().__init__(root)
+        # The most bytes of unsharded gradients one reduction held in this step (what a memory report shows).
+        self.peak_grads_in_backward = 0
 
     def _queue_end_of_backward(self) -> None:
         queue_after_backward(self.end_of_backward)
 
-    def _reduce_groups(self, groups: list) -> list:
-        reduce_groups(groups)  # the collectives complete when issued on MindSpore's CPU backend
-        return []
-
-    def _after_backward(self) -> None:
-        for unit in self.units:
-            unit.bprops_to_come = 0  # a bucket whose gradient did not reach it delivers nothing
-
-    def reset_step(self) -> None:
-        super().reset_step()
-        self._after_backward()
+    def begin_step(self) -> None:
+        self.peak_grads_in_backward = 0
+        for group in self.groups:
+            group.carried_outputs = None  # nodes of the last pass are done with
+        super().begin_step()
 
     def check_ranks_agree(self) -> None:
         """The shard group and the replicas compare a fixed-size fingerprint of what they wrapped."""
@@ -86,10 +84,10 @@ class ShardedUnit(Unit):
         super().__init__(groups, strategy, reshard_after_forward, len(cells))
         self.cells = cells
         self.mp_policy = mp_policy
-        self._recorded = False  # this pass's forward is recorded for a gradient
-        self.bprops_to_come = 0  # bucket bprops still to come for the recorded forwards
-        for group in groups:
-            group.on_delivered = self._on_delivered
+        # The units whose tensors this unit's gather carries in this pass (its own, unless the root's carries
+        # them; the root's, also those of every unit that reduces with it); fixed from the call to its bprop.
+        self.carrying: list[ShardedUnit] = []
+        self.gather = UnitGather(carried_by(self), self._reduced)
         for cell in cells:
             cell.register_forward_pre_hook(self._pre_forward, prepend=True, with_kwargs=True)
             # always_call: a forward that raises still restores the root marker
@@ -105,30 +103,69 @@ class ShardedUnit(Unit):
     def _named_submodules(self) -> Iterator[tuple[str, nn.Cell]]:
         return named_under(self.cells, nn.Cell.cells_and_names)
 
+    @property
+    def reduces_with_root(self) -> bool:
+        """Its gradients are reduced by the root's gather, after every use of them, on every rank alike: a
+        unit that reduces at the end of backward (ZeRO-1, ``set_reduce_scatter_unused_params``)."""
+        return self.is_root is False and (self.reduces_at_end_of_backward
+                                          or any(g.reduce_unused_params for g in self.groups))
+
     # ------------------------------------------------------------------ forward
     def _pre_forward(self, cell: nn.Cell, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         self.ensure_context()
         if self.is_root:
+            self.context.check_not_in_backward(type(cell).__name__)  # a backward that raised: start clean
             self.enter_root_forward()
         if self.phase is not TrainingPhase.FORWARD:  # the first cell of this unit in this pass
-            self._recorded = recording()
+            recorded = recording()
             self.pre_forward(prefetch=True)
-            for group in self.groups:
-                self.bprops_to_come += group.use_in_forward(self._recorded)
-        else:
-            for group in self.groups:
-                group.show()
+            if recorded:
+                self._show_through_gather()
+        for group in self.groups:
+            group.show()
         dtype = self.mp_policy.param_dtype
         if dtype is not None and self.mp_policy.cast_forward_inputs:
             args, kwargs = _cast_floats(args, dtype), _cast_floats(kwargs, dtype)
         return args, kwargs
 
+    def _show_through_gather(self) -> None:
+        """A recorded forward: the cells show the gather's outputs, so backward reaches its bprop. A unit the
+        root's gather carries in this pass shows that one's; otherwise this unit's gather carries it (and, on
+        the root, every unit that reduces with it), when any of its parameters wants a gradient."""
+        if self.groups and self.groups[0].carried_outputs is not None:
+            return  # the root's gather carries it, or this unit's carried an earlier use in this pass
+        carrying = [self]
+        if self.is_root:
+            carrying += [unit for unit in self.context.units if unit.reduces_with_root]
+        carrying = [unit for unit in carrying if any(g.requires_grad for g in unit.groups)]
+        if not carrying:
+            return
+        self.carrying = carrying
+        groups = [g for unit in carrying for g in unit.groups]
+        outputs = self.gather(*[p.sharded for g in groups for p in g.params])
+        outputs = (outputs,) if isinstance(outputs, Tensor) else tuple(outputs)
+        for group in groups:
+            group.carried_outputs, outputs = outputs[:len(group.params)], outputs[len(group.params):]
+
     def _post_forward(self, cell: nn.Cell, args: tuple, output: Any) -> Any:
-        self.post_forward(cell, self._recorded, in_backward=False)
+        if sys.exc_info()[0] is not None:  # always_call: the forward raised, and the exception is on its way out
+            self._abandon_forward()
+            return output
+        self.post_forward(cell, recording(), in_backward=False)
         if self.mp_policy.output_dtype is not None:
             output = _cast_floats(output, self.mp_policy.output_dtype)
         self.leave_root_forward()
         return output
+
+    def _abandon_forward(self) -> None:
+        """The root's forward raised: its step is abandoned (every unit shows its shards, nothing is kept for a
+        backward that will not come), and so is what MindSpore recorded of it."""
+        if self.context is None or self is not getattr(self.active, "root", None):
+            return
+        recorded = recording()
+        self.reset_step()
+        if recorded:
+            drop_failed_recording()
 
     # ------------------------------------------------------------------ backward
     def _pre_backward(self, cell: nn.Cell, grad_output: Any) -> None:
@@ -136,11 +173,12 @@ class ShardedUnit(Unit):
             self.pre_backward()
         return None
 
-    def _on_delivered(self) -> None:
-        """A bucket's bprop handed over its gradients; after the unit's last one its backward is done."""
-        self.bprops_to_come -= 1
-        if self.bprops_to_come == 0:
-            self.post_backward()
+    def _reduced(self, units: list["ShardedUnit"], held_bytes: int) -> None:
+        """The gather's bprop reduced these units' gradients: their backward for that use is done."""
+        if self.context is not None:
+            self.context.peak_grads_in_backward = max(self.context.peak_grads_in_backward, held_bytes)
+        for unit in units:
+            unit.post_backward()
 
 
 def _cast_floats(tree: Any, dtype: Any) -> Any:
