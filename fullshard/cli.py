@@ -192,9 +192,6 @@ def _train_config(args):
         out_dir=args.out, device=args.device, timeout_s=args.timeout, framework=args.framework,
         mesh=args.mesh, nodes=asdict(nodes),
     )
-    if cfg.resume:
-        _check_run_record(cfg)
-        _check_resumable(cfg.checkpoint_dir, cfg.framework)
     return cfg
 
 
@@ -252,9 +249,9 @@ def _check_run_record(cfg) -> None:
         raise UsageError(f"--resume: {mismatch}")
 
 
-def _check_resumable(checkpoint_dir: str, framework: str) -> None:
-    """The checkpoint ``--resume`` will load, checked here as the workers will check it: a bad one is one line
-    before any worker starts, not a worker's traceback."""
+def _check_resumable(checkpoint_dir: str, framework: str) -> int:
+    """The step of the checkpoint ``--resume`` will load, checked here as the workers will check it: a bad one
+    is one line before any worker starts, not a worker's traceback."""
     from fullshard.core.atomic import latest_step, step_dir
     from fullshard.core.untrusted import CheckpointError
 
@@ -272,6 +269,13 @@ def _check_resumable(checkpoint_dir: str, framework: str) -> None:
             read_metadata(step_dir(checkpoint_dir, step))
     except CheckpointError as error:
         raise UsageError(f"--resume: {one_line(error)}") from None
+    return step
+
+
+def _resume_start(cfg) -> int:
+    """The step ``--resume`` continues from, after the launcher's checks (a bad start is one line)."""
+    _check_run_record(cfg)
+    return _check_resumable(cfg.checkpoint_dir, cfg.framework)
 
 
 def _raise_if_ranks_were_lost(cfg, exit_code: Optional[int]) -> None:
@@ -329,6 +333,11 @@ def _run_workers(cfg, nodes: Nodes) -> Optional[list[dict]]:
 
 def train(args) -> int:
     cfg = _train_config(args)
+    start = _resume_start(cfg) if cfg.resume else 0
+    if start >= cfg.steps:  # no worker: it would train no step and overwrite the finished run's report
+        print(f"fullshard train: the checkpoint under {cfg.checkpoint_dir} is at step {start} and --steps is "
+              f"{cfg.steps}: nothing to train; {cfg.out_dir} is left as it was (pass a larger --steps to train on)")
+        return 0
     from fullshard.train.report import format_node_summary, format_table, write_report
 
     nodes = Nodes(**cfg.nodes)

@@ -8,14 +8,19 @@ load is compared with, bit for bit.
 """
 from __future__ import annotations
 
+import contextlib
 import copy
+import errno
 import os
+import time
 from pathlib import Path
 from typing import Any, Callable
+from unittest import mock
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import filesystem as dcp_filesystem
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_state_dict,
@@ -29,6 +34,8 @@ from torch.utils._pytree import tree_map
 
 import fullshard.core.traffic as traffic_meter
 from fullshard import FSDPModule
+from fullshard.core import atomic, manifest
+from fullshard.core.rank_failures import RanksFailed
 from fullshard.core.untrusted import CheckpointError
 from fullshard.torch.checkpoint import load_checkpoint, load_into, latest_step, save_atomic, step_dir
 from fullshard.models.gpt import GPT, GPTConfig
@@ -37,6 +44,9 @@ from tests.parity import gpt_batch, gpt_loss, mesh_1d, shard_blocks_then_root
 # Odd sizes, so that Shard(0) is uneven at 2 and 4 ranks (67 = 34 + 33 = 17 * 3 + 16; 13 = 4 * 3 + 1).
 CFG = GPTConfig(vocab_size=67, seq_len=13, d_model=36, n_layers=2, n_heads=4)
 GLOBAL_BATCH = 4
+# A save that failed on one rank must raise on every rank within this, far inside the group's timeout
+# (tests.harness.COLLECTIVE_TIMEOUT_S): a rank left waiting in a collective would take all of that.
+FAILED_SAVE_WITHIN_S = 10
 FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
 
 
@@ -483,6 +493,97 @@ def load_mismatch_fails_on_every_rank():
     return [m.splitlines()[1].strip() for m in messages]
 
 
+# ---------------------------------------------------------------------- 7. a save that fails on one rank
+def _fails_on(rank: int, target: Any, attribute: str, replacement: Callable) -> contextlib.AbstractContextManager:
+    """``target.attribute`` replaced on ``rank`` only (the other ranks' saves go as usual)."""
+    return mock.patch.object(target, attribute, replacement) if dist.get_rank() == rank else contextlib.nullcontext()
+
+
+def _failed_save_then_training_goes_on(name: str, fault: contextlib.AbstractContextManager, part: str, rank: int,
+                                       cause: str, latest_after: int = 1) -> dict:
+    """A save at step 2 under ``fault``: every rank raises RanksFailed naming the ``part`` of the save,
+    ``rank`` and ``cause`` within seconds, and the latest complete checkpoint is then ``latest_after``; the
+    ranks train another step (collectives still work) and save step 3, which loads."""
+    root = ckpt_root() / f"failed_save_{name}"
+    model = sharded(0)
+    optim = adamw(model)
+    train(model, optim, range(1))
+    save_atomic(train_state(model, optim), root, 1)
+    train(model, optim, range(1, 2))
+    began = time.monotonic()
+    with fault:
+        message = raises(lambda: save_atomic(train_state(model, optim), root, 2), RanksFailed,
+                         f"save_atomic: {part} ", f"failed on rank {rank}: {cause}", "the process group is still usable")
+    took = time.monotonic() - began
+    assert took < FAILED_SAVE_WITHIN_S, f"rank {dist.get_rank()} raised after {took:.1f}s"
+    assert latest_step(root) == latest_after
+    losses = train(model, optim, range(2, 3))
+    save_atomic(train_state(model, optim), root, 3)
+    assert latest_step(root) == 3
+    resumed = sharded(7)
+    resumed_optim = adamw(resumed)
+    load_training_state(resumed, resumed_optim, step_dir(root, 3))
+    assert_same(train_state(resumed, resumed_optim), train_state(model, optim))
+    return {"took_s": round(took, 4), "message": message, "losses": losses}
+
+
+def full_disk_on_rank_1_fails_the_save_on_every_rank():
+    """Rank 1's disk fills up while DCP writes its shard file (rank 0 writes its own)."""
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    fault = _fails_on(1, dcp_filesystem, "_write_item", full)
+    return _failed_save_then_training_goes_on("disk_full", fault, "writing the files of", 1,
+                                              "OSError: [Errno 28] No space left on device")
+
+
+def read_only_directory_on_rank_1_fails_the_save_on_every_rank():
+    """The checkpoint directory is read-only where rank 1 runs (another machine's mount of it): opening its
+    shard file fails as a read-only mount fails it."""
+    def read_only(self, path, mode):
+        raise OSError(errno.EROFS, "Read-only file system", str(path))
+
+    fault = _fails_on(1, dcp_filesystem.FileSystem, "create_stream", read_only)
+    return _failed_save_then_training_goes_on("read_only", fault, "writing the files of", 1,
+                                              "OSError: [Errno 30] Read-only file system")
+
+
+def read_only_directory_on_rank_0_fails_the_save_on_every_rank():
+    """The checkpoint directory is read-only where rank 0 runs: it cannot even create the .partial, which
+    it does alone before any rank writes."""
+    def read_only(self, *args, **kwargs):
+        raise OSError(errno.EROFS, "Read-only file system", str(self))
+
+    return _failed_save_then_training_goes_on("read_only_0", _fails_on(0, Path, "mkdir", read_only), "creating", 0,
+                                              "OSError: [Errno 30] Read-only file system")
+
+
+def full_disk_while_writing_the_manifest_fails_the_save_on_every_rank():
+    """The disk fills up as rank 0 writes the manifest (only rank 0 writes one, once every rank's files are
+    complete)."""
+    def full(path, data):
+        raise OSError(errno.ENOSPC, "No space left on device", str(path))
+
+    fault = _fails_on(0, manifest, "write_file_durably", full)
+    return _failed_save_then_training_goes_on("manifest", fault, "writing the manifest of", 0,
+                                              "OSError: [Errno 28] No space left on device")
+
+
+def failed_publish_fails_the_save_on_every_rank():
+    """Rank 0 cannot rename the complete .partial into place. Its manifest is written, so loaders take that
+    .partial as step 2 (docs/checkpoints.md)."""
+    real_replace = os.replace
+
+    def busy(source, target):
+        if str(source).endswith(".partial"):
+            raise OSError(errno.EBUSY, "Device or resource busy", str(source))
+        return real_replace(source, target)
+
+    fault = _fails_on(0, atomic.os, "replace", busy)
+    return _failed_save_then_training_goes_on("publish", fault, "writing the manifest of", 0,
+                                              "OSError: [Errno 16] Device or resource busy", latest_after=2)
+
+
 def suite() -> dict[str, Callable[[], Any]]:
     return {
         fn.__name__: fn
@@ -503,5 +604,10 @@ def suite() -> dict[str, Callable[[], Any]]:
             interop_fullshard_to_torch_fsdp2,
             interop_torch_fsdp2_to_fullshard,
             load_mismatch_fails_on_every_rank,
+            full_disk_on_rank_1_fails_the_save_on_every_rank,
+            read_only_directory_on_rank_1_fails_the_save_on_every_rank,
+            read_only_directory_on_rank_0_fails_the_save_on_every_rank,
+            full_disk_while_writing_the_manifest_fails_the_save_on_every_rank,
+            failed_publish_fails_the_save_on_every_rank,
         )
     }

@@ -108,6 +108,21 @@ def test_resume_into_another_model_stops_before_the_workers(checkpointed_run, tm
     assert not (tmp_path / "report").exists(), "the job started"
 
 
+def test_resume_at_the_last_step_has_nothing_to_train(checkpointed_run):
+    """--resume of a finished run with its --steps: one line, exit 0, no worker, and the run's report byte for
+    byte as it was (the workers used to overwrite it, then fail on the empty range of steps)."""
+    out, _ = checkpointed_run
+    report = out / "report"
+    before = {name: (report / name).read_bytes() for name in ("report.json", "losses.csv", "report.png")}
+    proc = fullshard("train", *TINY, "--steps", "20", "--resume", "--checkpoint-dir", str(out / "ckpt"),
+                     "--out", str(report), timeout=60)
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.stdout.splitlines() == [
+        f"fullshard train: the checkpoint under {out / 'ckpt'} is at step 20 and --steps is 20: nothing to train; "
+        f"{report} is left as it was (pass a larger --steps to train on)"]
+    assert {name: (report / name).read_bytes() for name in before} == before
+
+
 @pytest.mark.parametrize("args, message", [
     (["train", "--strategy", "zero9"], "unknown --strategy 'zero9'"),
     (["train", "--nproc", "0"], "--nproc must be at least 1"),

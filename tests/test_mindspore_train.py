@@ -88,6 +88,20 @@ def test_resume_into_another_model_stops_before_the_workers(run, tmp_path):
     assert not (tmp_path / "report").exists(), "the job started"
 
 
+def test_resume_at_the_last_step_has_nothing_to_train(run):
+    """The launcher's check (tests/test_cli.py has the torch run's): one line, exit 0, the report as it was."""
+    out, _, _ = run
+    report = out / "report"
+    before = {name: (report / name).read_bytes() for name in ("report.json", "losses.csv", "report.png")}
+    proc = fullshard(*TINY, "--steps", str(STEPS), "--resume", "--checkpoint-dir", str(out / "ckpt"),
+                     "--out", str(report), timeout=60)
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.stdout.splitlines() == [
+        f"fullshard train: the checkpoint under {out / 'ckpt'} is at step {STEPS} and --steps is {STEPS}: nothing "
+        f"to train; {report} is left as it was (pass a larger --steps to train on)"]
+    assert {name: (report / name).read_bytes() for name in before} == before
+
+
 def test_export_of_a_training_checkpoint(run, tmp_path):
     out, _, _ = run
     proc = fullshard("export", str(out / "ckpt" / f"step_{STEPS}"), str(tmp_path / "gpt.safetensors"), timeout=60)

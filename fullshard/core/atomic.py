@@ -14,7 +14,8 @@ checkpoint takes steps, and at every instant one of these holds:
 :func:`latest_step` apply that rule, so a crash anywhere in a save leaves a
 checkpoint that loads; :func:`resolve` warns when it takes the one beside.
 A save cut short before its manifest leaves a ``.partial`` that is never
-taken and that the next save of that step removes.
+taken and that the next save of that step removes. :func:`save_together` runs
+the protocol across ranks, so that a failure on one rank raises on all.
 """
 from __future__ import annotations
 
@@ -23,10 +24,11 @@ import re
 import shutil
 import warnings
 from pathlib import Path
-from typing import Optional, Union
+from typing import Callable, Optional, Union
 
 from fullshard.core import manifest
 from fullshard.core.durable import fsync_dir
+from fullshard.core.rank_failures import Ranks
 from fullshard.core.untrusted import CheckpointError
 
 _STEP = re.compile(r"^step_(\d+)(\.partial|\.replaced)?$")
@@ -133,4 +135,30 @@ def publish(final: Union[str, Path]) -> Path:
     fsync_dir(final.parent)
     if os.path.lexists(replaced):
         shutil.rmtree(replaced)
+    return final
+
+
+def save_together(final: Union[str, Path], ranks: Ranks, write_files: Callable[[Path], object],
+                  write_manifest: Callable[[Path], object], caller: str) -> Path:
+    """Save checkpoint ``final`` on every rank of ``ranks``: rank 0 starts the ``.partial``, every rank's
+    ``write_files(partial)`` writes its part, then rank 0's ``write_manifest(partial)`` and :func:`publish`.
+
+    Every rank calls it. Each part ends with the ranks telling each other how it went (one all-reduce,
+    which also orders the parts), so a failure on any rank raises
+    :class:`~fullshard.core.rank_failures.RanksFailed` on every rank at once, naming that rank and its
+    error, instead of leaving the others in the next collective until the process group times out.
+    """
+    final = Path(final)
+    partial = partial_dir(final)
+    fix = (f"Every rank raised this; the process group is still usable and the checkpoints saved before still "
+           f"load. Fix the cause (disk space, write permission on {final.parent}) and save again: the next save "
+           f"of {final.name} clears what this one left")
+    ranks.run(lambda: start_partial(final), f"{caller}: creating {partial}", fix, only=0)
+    ranks.run(lambda: write_files(partial), f"{caller}: writing the files of {partial}", fix)
+
+    def finish() -> None:
+        write_manifest(partial)
+        publish(final)
+
+    ranks.run(finish, f"{caller}: writing the manifest of {partial} and publishing it as {final.name}", fix, only=0)
     return final

@@ -32,7 +32,8 @@ import numpy as np
 from mindspore import Parameter, Tensor, nn, ops
 
 from fullshard.core import manifest, shardfiles
-from fullshard.core.atomic import partial_dir, publish, start_partial
+from fullshard.core.atomic import save_together
+from fullshard.core.rank_failures import Ranks
 from fullshard.core.shardfiles import MODEL, OPTIM, Piece, ShardedCheckpoint, key
 from fullshard.core.tensorfile import Array
 from fullshard.core.untrusted import CheckpointError
@@ -108,24 +109,17 @@ def _targets(cell: nn.Cell, optimizer: Optional[nn.Optimizer]) -> list[tuple[Pie
     return targets
 
 
-def _distributed() -> bool:
-    from mindspore.communication import GlobalComm
+def _ranks() -> Ranks:
+    """The world group (MindSpore's CPU backend sums float32 on it), or this process alone."""
+    from mindspore.communication import GlobalComm, get_group_size, get_rank
 
-    return bool(GlobalComm.INITED)
+    if not GlobalComm.INITED:
+        return Ranks(0, 1, lambda values: values)
 
+    def sum_over_group(values: list[float]) -> list[float]:
+        return ops.AllReduce()(Tensor(np.asarray(values, np.float32))).asnumpy().tolist()
 
-def _agree(failed: bool) -> int:
-    """How many ranks failed (0 when this process is alone)."""
-    if not _distributed():
-        return int(failed)
-    flag = Tensor(np.array([1.0 if failed else 0.0], np.float32))
-    return int(round(float(ops.AllReduce()(flag).asnumpy()[0])))
-
-
-def _rank_and_world() -> tuple[int, int]:
-    from mindspore.communication import get_group_size, get_rank
-
-    return (get_rank(), get_group_size()) if _distributed() else (0, 1)
+    return Ranks(get_rank(), get_group_size(), sum_over_group)
 
 
 # ---------------------------------------------------------------------- saving
@@ -135,39 +129,21 @@ def save_checkpoint(cell: nn.Cell, path: Union[str, Path], optimizer: Optional[n
     Call it on every rank (every rank must see the same ``path``). The
     directory appears only when complete; an interrupted save leaves the
     previous ``path`` (if any) as it was and a ``<path>.partial`` the next save clears.
+    A failure on any rank raises :class:`~fullshard.core.rank_failures.RanksFailed` on every rank,
+    naming it (:func:`~fullshard.core.atomic.save_together`); alone, the error itself.
     """
-    final = Path(path)
-    rank, world = _rank_and_world()
+    ranks = _ranks()
     with no_grad():
         pieces = [Piece(p.key, p.shape, p.dtype, p.dim, p.offset, p.length, _to_array(t))
                   for p, t in _targets(cell, optimizer)]
-    error: Optional[BaseException] = None
-    if rank == 0:
-        try:
-            start_partial(final)
-        except OSError as caught:
-            error = caught
-    if _agree(error is not None):
-        raise error or RuntimeError(f"save_checkpoint: rank 0 could not create {partial_dir(final)}")
-    try:
-        shardfiles.write_rank(partial_dir(final), rank, pieces)
-    except Exception as caught:  # every rank must learn of it, or the others would wait for this one
-        error = caught
-    failed = _agree(error is not None)
-    if failed:
-        raise error or RuntimeError(f"save_checkpoint: {failed} rank(s) failed to write into {partial_dir(final)}; "
-                                    f"{final} was left as it was")
-    if rank == 0:
-        try:
-            save_id = uuid.uuid4().hex
-            shardfiles.write_metadata(partial_dir(final), world, pieces, save_id)
-            manifest.write(partial_dir(final), shardfiles.FRAMEWORK, save_id)
-            publish(final)
-        except Exception as caught:
-            error = caught
-    if _agree(error is not None):
-        raise error or RuntimeError(f"save_checkpoint: rank 0 could not publish {final}")
-    return final
+
+    def write_manifest(partial: Path) -> None:
+        save_id = uuid.uuid4().hex
+        shardfiles.write_metadata(partial, ranks.size, pieces, save_id)
+        manifest.write(partial, shardfiles.FRAMEWORK, save_id)
+
+    return save_together(path, ranks, lambda partial: shardfiles.write_rank(partial, ranks.rank, pieces),
+                         write_manifest, "save_checkpoint")
 
 
 # ---------------------------------------------------------------------- loading

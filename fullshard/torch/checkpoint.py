@@ -68,9 +68,10 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 from fullshard.core import manifest
-from fullshard.core.atomic import latest_step, partial_dir, publish, resolve, start_partial, step_dir  # noqa: F401 (latest_step: public here)
+from fullshard.core.atomic import latest_step, resolve, save_together, step_dir  # noqa: F401 (latest_step: public here)
 from fullshard.core.layout_checks import check_key_paths, check_ranges, check_shape, check_tiling
 from fullshard.core.pickle_scan import check_pickle
+from fullshard.core.rank_failures import Ranks
 from fullshard.core.untrusted import CheckpointError, is_int, plain_file_name, read_whole, regular_file, show
 
 # DCP's name for the metadata file (``filesystem._metadata_fn``, private there).
@@ -99,24 +100,43 @@ def save_atomic(state: dict[str, Any], root: Path, step: int) -> Path:
     Every rank must see the same ``root`` (a shared file system on several
     machines). DCP fsyncs its files; rank 0 then reads every file once to
     write the manifest, and publishes the directory (fsynced too), so after a
-    crash ``step_<N>`` or the copy beside it is complete.
+    crash ``step_<N>`` or the copy beside it is complete. A failure on any
+    rank raises :class:`~fullshard.core.rank_failures.RanksFailed` on every
+    rank, naming it (:func:`~fullshard.core.atomic.save_together`); alone,
+    the error itself.
     """
-    final = step_dir(root, step)
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    partial = partial_dir(final)
-    if rank == 0:
-        start_partial(final)  # what an interrupted save left there is removed
-    if dist.is_initialized():
-        dist.barrier()
-    dcp.save(state, checkpoint_id=str(partial))
-    if dist.is_initialized():
-        dist.barrier()
-    if rank == 0:
-        _write_manifest(partial)
-        publish(final)
-    if dist.is_initialized():
-        dist.barrier()
-    return final
+    ranks = _ranks()
+    return save_together(step_dir(root, step), ranks, lambda partial: _dcp_save(state, partial, ranks.rank),
+                         _write_manifest, "save_atomic")
+
+
+def _ranks() -> Ranks:
+    """The default process group, summing on the device its backend communicates from."""
+    if not dist.is_initialized():
+        return Ranks(0, 1, lambda values: values)
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+
+    def sum_over_group(values: list[float]) -> list[float]:
+        buffer = torch.tensor(values, dtype=torch.float32, device=device)
+        dist.all_reduce(buffer)
+        return buffer.tolist()
+
+    return Ranks(dist.get_rank(), dist.get_world_size(), sum_over_group)
+
+
+def _dcp_save(state: dict[str, Any], partial: Path, rank: int) -> None:
+    """``dcp.save`` into ``partial``, raising only this rank's own failure.
+
+    DCP hands every rank the same ``CheckpointException`` (a ``BaseException``, which a training loop's
+    ``except Exception`` would not catch) listing every rank that failed; each rank reports its own, and
+    the others learn of it when the ranks share how the part went.
+    """
+    try:
+        dcp.save(state, checkpoint_id=str(partial))
+    except CheckpointException as error:
+        own = error.failures.get(rank)
+        if own is not None:
+            raise own[0] from None
 
 
 def _write_manifest(partial: Path) -> None:
