@@ -567,7 +567,7 @@ def _matrix(mesh_kind: str) -> dict[str, Callable[[], Any]]:
     for (name, case), strategy, fused in itertools.product(CASES.items(), STRATEGIES, (True, False)):
         # no_shard cannot run on the HSDP mesh (refused, above): its column runs on the flat mesh of the suite
         kind = "flat" if strategy == "no_shard" else mesh_kind
-        label = f"{name}-{strategy}-{'fused' if fused else 'unfused'}"
+        label = f"{name}-{strategy}-{'fused' if fused else 'unfused'}" + ("-flat" if kind != mesh_kind else "")
         scenarios[label] = functools.partial(run_case, case, strategy, fused, kind)
     return scenarios
 
