@@ -150,7 +150,7 @@ def test_abandoned_reduction_frees_only_idle_buffers(fails):
     output = buffers.allocate(8, torch.float32, torch.device("cpu"), "reduce-scatter output")
     scratch = buffers.allocate(8, torch.float32, torch.device("cpu"), "receive buffer")
     still_referenced = [output.tensor, scratch.tensor]  # what a backend thread would still hold
-    pending = PendingReduce(_Work(fails), [scratch], output, None, None, [], [], 1.0, "[w] of module 'm'")
+    pending = PendingReduce(_Work(fails), [scratch], output, None, None, [], 1.0, "[w] of module 'm'")
     pending.abandon()
     sizes = [t.untyped_storage().nbytes() for t in still_referenced]
     assert sizes == ([32, 32] if fails else [0, 0])

@@ -202,7 +202,6 @@ class PendingReduce:
     bucket: BucketLayout
     plan: ReducePlan
     params: list
-    grads_present: list[bool]
     divide_factor: float
     label: str
     # Set for HSDP: called with the reduce-scatter output once it is complete;
@@ -226,8 +225,11 @@ class PendingReduce:
             if self.divide_factor != 1:
                 out.div_(self.divide_factor)
             for index, param in enumerate(self.params):
-                if not self.grads_present[index]:
-                    continue  # no rank-local gradient: leave .grad as the reference would (None)
+                if not param.requires_grad:
+                    continue  # frozen since the plan was made
+                # Every trainable member gets the reduced gradient, also one this rank had none for (an MoE
+                # expert without tokens here): its zeros were summed with the other ranks' gradients, and every
+                # rank must step on the same value. A parameter no rank used gets zeros, not None.
                 layout = param.layout
                 start = self.bucket.offsets[index]
                 if self.plan.sharded_grad is ShardedGrad.VIEW_OF_OUTPUT:
@@ -310,12 +312,11 @@ def reduce_bucket(
                       if plan.input_pooled else buffers.allocate(bucket.total_numel, wire_dtype, device, what,
                                                                  sources=grads))
             pack_rank_chunks(source.writable("pack the reduce-scatter input"), bucket, params, grads)
-        present = [g is not None for g in grads]
         if all_reduce:
             work = collectives.all_reduce_sum(exchange, source.writable("all-reduce in place"), group)
             if exchange is not Exchange.LOCAL:
                 count("all_reduce", source.nbytes)
-            return PendingReduce(work, [], source, bucket, plan, list(params), present, divide_factor, label)
+            return PendingReduce(work, [], source, bucket, plan, list(params), divide_factor, label)
         read = (*grads, source.tensor)  # what the reduction reads on this rank
         output = buffers.allocate(bucket.chunk_numel, reduce_dtype, device, f"reduce-scatter output of {label}",
                                   sources=read)
@@ -330,4 +331,4 @@ def reduce_bucket(
         )
         if exchange is not Exchange.LOCAL:
             count("reduce_scatter", source.tensor.numel() * source.tensor.element_size())
-    return PendingReduce(work, [source, *scratch], output, bucket, plan, list(params), present, divide_factor, label)
+    return PendingReduce(work, [source, *scratch], output, bucket, plan, list(params), divide_factor, label)
