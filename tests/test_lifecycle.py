@@ -79,7 +79,7 @@ class FakeRoot(Root):
     def _queue_end_of_backward(self):
         self.callbacks.append(self.end_of_backward)
 
-    def check_ranks_agree(self):
+    def check_ranks_agree(self, units):
         pass
 
 
@@ -383,7 +383,7 @@ def test_a_root_adopts_the_units_below_it_once_and_a_disagreement_undoes_it():
     root, blocks = model(log)
 
     class Disagreeing(FakeRoot):
-        def check_ranks_agree(self):
+        def check_ranks_agree(self, units):
             raise RuntimeError("ranks differ")
 
     root.root_class = Disagreeing

@@ -286,12 +286,8 @@ class Unit:
             unit = getattr(sub, STATE_ATTR, None)
             if unit is not None and unit not in context.units:
                 context.adopt(name, unit)  # also takes over a unit that ran alone before
-        try:
-            context.check_ranks_agree()
-        except Exception:
-            for unit in context.units:  # undone: the next forward checks again
-                unit.context, unit.is_root = None, None
-            raise
+        # Before the first gather: every unit's settings, also those of units that gather later in the step.
+        context.check_agreement(context.units)
         return context
 
     def ensure_context(self) -> "Root":
@@ -491,8 +487,8 @@ class Root:
         objects whose ``finish()`` completes each reduction."""
         return [reduction for group in groups for reduction in group._start_reduce()]
 
-    def check_ranks_agree(self) -> None:
-        """Fail on every rank if ranks wrapped different models (``fullshard.core.agreement``)."""
+    def check_ranks_agree(self, units: list[Unit]) -> None:
+        """Fail on every rank if ranks set up ``units`` differently (``fullshard.core.agreement``)."""
         raise NotImplementedError
 
     def _before_gathers(self) -> None:
@@ -514,6 +510,16 @@ class Root:
         unit.context, unit.is_root = self, False
         for group in unit.groups:
             group.rename(name)  # errors and labels name parameters from the root
+
+    def check_agreement(self, units: list[Unit]) -> None:
+        """Compare ``units`` across ranks; if they differ, they leave this root (the next forward checks again)."""
+        try:
+            self.check_ranks_agree(units)
+        except Exception:
+            for unit in units:
+                unit.context, unit.is_root = None, None
+            self.units = [unit for unit in self.units if unit not in units]
+            raise
 
     # ------------------------------------------------------------------ forward
     def begin_step(self) -> None:
