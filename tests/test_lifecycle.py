@@ -430,6 +430,30 @@ def test_a_unit_outside_the_roots_modules_joins_the_active_root_and_one_alone_is
     assert alone.ensure_context() is not context and alone.is_root
 
 
+def test_a_unit_that_joins_later_is_compared_before_its_first_gather_and_leaves_if_ranks_differ():
+    log, checked = [], []
+
+    class Checking(FakeRoot):
+        def check_ranks_agree(self, units):
+            checked.append([u.name for u in units])
+            if units[0].name == "outside":
+                raise RuntimeError("ranks differ")
+
+    root, blocks = model(log)
+    root.root_class = Checking
+    context = root.lazy_init_as_root()
+    outside = FakeUnit(Module(), [FakeGroup("outside", log)])
+    FakeUnit.active.root = root
+    try:
+        with pytest.raises(RuntimeError, match="ranks differ"):
+            outside.pre_forward(prefetch=False)
+    finally:
+        FakeUnit.active.root = None
+    assert checked == [["root", "block0", "block1"], ["outside"]]
+    assert outside not in context.units and outside.context is None and outside.phase is TrainingPhase.IDLE
+    assert not any("outside" in entry for entry in log), log  # nothing gathered
+
+
 class BatchingRoot(FakeRoot):
     fuse_reductions_below = 3  # bytes, with each fake gradient counting 1
 

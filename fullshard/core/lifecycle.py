@@ -291,11 +291,13 @@ class Unit:
         return context
 
     def ensure_context(self) -> "Root":
-        """A unit outside its root's modules (called from the root's forward) joins the active root."""
+        """A unit outside its root's modules (called from the root's forward) joins the active root, whose check
+        did not describe it: the ranks compare its settings before its first gather."""
         if self.context is None:
             root = getattr(self.active, "root", None)
             if root is not None and root.context is not None:
                 root.context.adopt("", self)
+                root.context.check_agreement([self])
             else:
                 self.lazy_init_as_root()
         return self.context
@@ -320,8 +322,9 @@ class Unit:
     def pre_forward(self, prefetch: bool) -> None:
         """Gather (issuing the next unit's gathers first when ``prefetch``), then the forward computes."""
         if self.groups:
+            context = self.ensure_context()  # may compare this unit across ranks first: it raises in IDLE
             self.phase = TrainingPhase.PRE_FORWARD
-            self.ensure_context().record_forward(self, ended=False)
+            context.record_forward(self, ended=False)
             with self.profiled("all-gather"):
                 for group in self.groups:
                     group.unshard()
