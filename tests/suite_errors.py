@@ -135,6 +135,7 @@ def _rank_1_differs(setting: str, build) -> dict:
     with pytest.raises(RanksDisagree) as info:
         model(torch.randint(0, 64, (2, 16)))
     seconds = time.perf_counter() - start
+    assert seconds < 10, seconds  # a hang would wait out the 60 s collective timeout
     message = str(info.value)
     assert f"ranks disagree on {setting} of " in message and " on rank 1;" in message, message
     total = torch.ones(1)
