@@ -139,6 +139,13 @@ def test_a_value_that_differs_past_what_travels_is_still_an_error():
                and "past its first 256 bytes" in o for o in outcomes.values()), outcomes
 
 
+def test_rows_cut_short_are_shown_as_they_travelled():
+    rows = {rank: [Row.of(f"parameter '{rank}{'p' * 300}'", "shape", (8,))] for rank in range(2)}
+    outcomes = run_ranks(rows, one_group(2)[1])
+    assert f"from entry 0 on: parameter '0{'p' * 244}... on rank 0; parameter '1" in outcomes[0], outcomes
+    assert outcomes[0] == outcomes[1]
+
+
 @pytest.mark.parametrize("size", [2, 64, 258, 259, 70000])
 def test_sums_stay_exact_in_float32(size):
     bits = _piece_bits(size)
