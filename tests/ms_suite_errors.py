@@ -2,10 +2,16 @@
 half-applied (the cell keeps its class, its Parameter objects and no fullshard state)."""
 from __future__ import annotations
 
+import time
+
+import numpy as np
+
 import mindspore as ms
+from mindspore import Tensor, ops
 
 import fullshard.mindspore as fs
-from tests.ms_parity import TinyLM, init_numpy, world
+from fullshard.core.agreement import RanksDisagree
+from tests.ms_parity import TinyLM, init_numpy, rank, world, wrap_layers
 
 
 def _snapshot(net):
@@ -109,19 +115,77 @@ def dtype_cannot_travel():
                               "reduce_dtype")
 
 
-def ranks_disagree():
-    """Ranks that wrapped different models fail at the first forward, naming the parameter, instead of
-    exchanging mismatched buffers later."""
-    from mindspore import Tensor
-    import numpy as np
-    from tests.ms_parity import rank
+def _rank_1_differs(setting, build):
+    """``build(odd)`` wraps a TinyLM, differently where ``odd`` (on rank 1). At the first forward every rank
+    raises one RanksDisagree naming ``setting``, instead of exchanging mismatched buffers later (or failing in a
+    kernel); the world group still works after it. Returns the message and the seconds to the error."""
+    net = build(rank() == 1)
+    start = time.perf_counter()
+    message = _refused(lambda: net(Tensor(np.zeros((1, 5), np.int32))), RanksDisagree,
+                       f"ranks disagree on {setting} of ", " on rank 1;")
+    seconds = time.perf_counter() - start
+    assert seconds < 10, seconds  # a hang would last until the launch times out
+    assert ops.AllReduce()(Tensor(np.ones(1, np.float32))).asnumpy()[0] == world()
+    return {"message": message, "seconds": seconds}
 
-    net = init_numpy(TinyLM())
-    odd = rank() == 1
-    fs.fully_shard(net, shard_placement_fn=lambda p: fs.Shard(1) if odd and p.name == "head.weight" else None)
-    message = _refused(lambda: net(Tensor(np.zeros((1, 5), np.int32))), RuntimeError, "wrapped different models")
-    assert "head.weight" in message, message
-    return message
+
+def _layers_then_root(**odd_settings):
+    """``build(odd)`` for _rank_1_differs: TinyLM's layers, then the root, wrapped with ``odd_settings`` on
+    rank 1 and the defaults elsewhere."""
+    return lambda odd: wrap_layers(init_numpy(TinyLM()), **(odd_settings if odd else {}))
+
+
+def ranks_disagree():
+    """Ranks that shard a parameter on different dims."""
+    def build(odd):
+        def place(param):
+            return fs.Shard(1) if odd and param.name == "head.weight" else None
+        return fs.fully_shard(init_numpy(TinyLM()), shard_placement_fn=place)
+    result = _rank_1_differs("shard dim", build)
+    assert "'head.weight'" in result["message"], result
+    return result
+
+
+def disagree_on_strategy():
+    return _rank_1_differs("strategy", _layers_then_root(strategy="optim"))
+
+
+def disagree_on_resharding():
+    """Only the layers differ (the root keeps its parameters after forward either way)."""
+    def build(odd):
+        net = init_numpy(TinyLM())
+        for layer in net.layers:
+            fs.fully_shard(layer, reshard_after_forward=not odd)
+        return fs.fully_shard(net)
+    return _rank_1_differs("reshard_after_forward", build)
+
+
+def disagree_on_reduce_dtype():
+    policy = fs.MixedPrecisionPolicy(reduce_dtype=ms.float16)
+    return _rank_1_differs("reduce_dtype", _layers_then_root(mp_policy=policy))
+
+
+def disagree_on_param_dtype():
+    policy = fs.MixedPrecisionPolicy(param_dtype=ms.float16)
+    return _rank_1_differs("param_dtype", _layers_then_root(mp_policy=policy))
+
+
+def disagree_on_comm_fusion():
+    return _rank_1_differs("comm_fusion", _layers_then_root(comm_fusion=False))
+
+
+def disagree_on_mesh():
+    """Rank 1 replicates over the ranks rank 0 shards over (both meshes are made on every rank)."""
+    meshes = [fs.init_device_mesh("cpu", (world(),)), fs.init_device_mesh("cpu", (world(), 1))]
+    return _rank_1_differs("mesh", lambda odd: wrap_layers(init_numpy(TinyLM()), mesh=meshes[odd]))
+
+
+def disagree_on_requires_grad():
+    def build(odd):
+        net = init_numpy(TinyLM())
+        net.layers[0].fc1.weight.requires_grad = not odd
+        return fs.fully_shard(net)
+    return _rank_1_differs("requires_grad", build)
 
 
 def graph_mode():
@@ -131,8 +195,6 @@ def graph_mode():
     ms.set_context(mode=ms.GRAPH_MODE)
     try:
         first = _refused_untouched(net, lambda: fs.fully_shard(net), RuntimeError, "PyNative mode only")
-        from mindspore import Tensor
-        import numpy as np
         second = _refused(lambda: sharded(Tensor(np.zeros((1, 5), np.int32))), RuntimeError,
                           "FSDPTinyLM was wrapped by fully_shard", "PyNative mode only")
     finally:
@@ -152,5 +214,12 @@ def suite():
         "error_containers_and_policies": containers_and_policies,
         "error_dtype_cannot_travel": dtype_cannot_travel,
         "error_ranks_disagree": ranks_disagree,
+        "error_disagree_on_strategy": disagree_on_strategy,
+        "error_disagree_on_resharding": disagree_on_resharding,
+        "error_disagree_on_reduce_dtype": disagree_on_reduce_dtype,
+        "error_disagree_on_param_dtype": disagree_on_param_dtype,
+        "error_disagree_on_comm_fusion": disagree_on_comm_fusion,
+        "error_disagree_on_mesh": disagree_on_mesh,
+        "error_disagree_on_requires_grad": disagree_on_requires_grad,
         "error_graph_mode": graph_mode,  # last: it switches the mode
     }

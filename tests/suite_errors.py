@@ -1,6 +1,8 @@
 """Bad input gets a clear error and leaves the model unchanged (issue 7); 2 gloo ranks."""
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -10,6 +12,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 import fullshard.torch.group_plan as group_module
 from fullshard import FSDPModule, MixedPrecisionPolicy, fully_shard
+from fullshard.core.agreement import RanksDisagree
 from fullshard.models.gpt import GPT, GPTConfig
 from tests.parity import build_gpt, mesh_1d, run_parity, shard_blocks_then_root
 
@@ -123,13 +126,30 @@ def frozen_mixed_with_trainable_works():
     return True
 
 
-def ranks_with_different_models_fail_at_first_step():
-    width = 32 if dist.get_rank() == 0 else 40
-    model = GPT(GPTConfig(vocab_size=64, seq_len=16, d_model=width, n_layers=2, n_heads=4))
-    shard_blocks_then_root(model, mesh=mesh_1d())
-    with pytest.raises(RuntimeError, match="wrapped different models") as info:
+def _rank_1_differs(setting: str, build) -> dict:
+    """``build(odd)`` wraps a small GPT, differently where ``odd`` (on rank 1). At the first forward every rank
+    raises one RanksDisagree naming ``setting`` before any collective the setting changes; the process group
+    still works after it. Returns the message and the seconds to the error."""
+    model = build(dist.get_rank() == 1)
+    start = time.perf_counter()
+    with pytest.raises(RanksDisagree) as info:
         model(torch.randint(0, 64, (2, 16)))
-    return str(info.value)
+    seconds = time.perf_counter() - start
+    assert seconds < 10, seconds  # a hang would wait out the 60 s collective timeout
+    message = str(info.value)
+    assert f"ranks disagree on {setting} of " in message and " on rank 1;" in message, message
+    total = torch.ones(1)
+    dist.all_reduce(total)
+    assert total.item() == dist.get_world_size()
+    return {"message": message, "seconds": seconds}
+
+
+def _small_gpt(width: int = 32) -> nn.Module:
+    return GPT(GPTConfig(vocab_size=64, seq_len=16, d_model=width, n_layers=2, n_heads=4))
+
+
+def ranks_with_different_models_fail_at_first_step():
+    return _rank_1_differs("shape", lambda odd: shard_blocks_then_root(_small_gpt(40 if odd else 32), mesh=mesh_1d()))
 
 
 def ranks_with_different_exchanges_fail_at_first_step():
@@ -138,16 +158,84 @@ def ranks_with_different_exchanges_fail_at_first_step():
 
     from fullshard.plan.exchange import EXCHANGE_ENV
 
-    if dist.get_rank() == 1:
-        os.environ[EXCHANGE_ENV] = "collective"
-    try:
-        model = shard_blocks_then_root(GPT(GPTConfig(vocab_size=64, seq_len=16, d_model=32, n_layers=2, n_heads=4)),
-                                       mesh=mesh_1d())
-    finally:
-        os.environ.pop(EXCHANGE_ENV, None)
-    with pytest.raises(RuntimeError, match="exchange of module .*FULLSHARD_EXCHANGE alike") as info:
-        model(torch.randint(0, 64, (2, 16)))
-    return str(info.value)
+    def build(odd):
+        if odd:
+            os.environ[EXCHANGE_ENV] = "collective"
+        try:
+            return shard_blocks_then_root(_small_gpt(), mesh=mesh_1d())
+        finally:
+            os.environ.pop(EXCHANGE_ENV, None)
+    result = _rank_1_differs("exchange", build)
+    assert "FULLSHARD_EXCHANGE alike" in result["message"]
+    return result
+
+
+def ranks_with_different_strategies_fail_at_first_step():
+    return _rank_1_differs("strategy", lambda odd: shard_blocks_then_root(
+        _small_gpt(), mesh=mesh_1d(), strategy="optim" if odd else "optim_grads_params"))
+
+
+def ranks_with_different_resharding_fail_at_first_step():
+    """Only the blocks differ (the root keeps its parameters after forward either way)."""
+    def build(odd):
+        model = _small_gpt()
+        for layer in model.layers:
+            fully_shard(layer, mesh=mesh_1d(), reshard_after_forward=not odd)
+        return fully_shard(model, mesh=mesh_1d())
+    return _rank_1_differs("reshard_after_forward", build)
+
+
+def ranks_with_different_reduce_dtypes_fail_at_first_step():
+    policy = MixedPrecisionPolicy(reduce_dtype=torch.bfloat16)
+    return _rank_1_differs("reduce_dtype", lambda odd: shard_blocks_then_root(
+        _small_gpt(), mesh=mesh_1d(), mp_policy=policy if odd else MixedPrecisionPolicy()))
+
+
+def ranks_with_different_param_dtypes_fail_at_first_step():
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16)
+    return _rank_1_differs("param_dtype", lambda odd: shard_blocks_then_root(
+        _small_gpt(), mesh=mesh_1d(), mp_policy=policy if odd else MixedPrecisionPolicy()))
+
+
+def ranks_with_different_fusion_fail_at_first_step():
+    def build(odd):
+        saved = group_module.DEFAULT_FUSE_BELOW_NUMEL
+        group_module.DEFAULT_FUSE_BELOW_NUMEL = 0 if odd else saved
+        try:
+            return shard_blocks_then_root(_small_gpt(), mesh=mesh_1d())
+        finally:
+            group_module.DEFAULT_FUSE_BELOW_NUMEL = saved
+    return _rank_1_differs("fuse_below_numel", build)
+
+
+def ranks_with_different_meshes_fail_at_first_step():
+    """Rank 1 shards over a 2-D (replicate, shard) mesh of the same ranks: the check meets on the world group,
+    which no mesh changes. Both meshes are made on every rank, as making a mesh's groups needs."""
+    meshes = [mesh_1d(), init_device_mesh("cpu", (1, dist.get_world_size()), mesh_dim_names=("replicate", "shard"))]
+    return _rank_1_differs("mesh", lambda odd: shard_blocks_then_root(_small_gpt(), mesh=meshes[odd]))
+
+
+def ranks_with_different_trainability_fail_at_first_step():
+    """Frozen after fully_shard (as fine-tuning does), on rank 1 only."""
+    def build(odd):
+        model = shard_blocks_then_root(_small_gpt(), mesh=mesh_1d())
+        model.layers[0].ln1.weight.requires_grad_(not odd)
+        return model
+    return _rank_1_differs("requires_grad", build)
+
+
+def ranks_with_different_shard_dims_fail_at_first_step():
+    return _rank_1_differs("shard dim", lambda odd: shard_blocks_then_root(
+        _small_gpt(), mesh=mesh_1d(), shard_placement_fn=lambda p: Shard(1) if odd and p.ndim == 2 else None))
+
+
+DISAGREEMENTS = [
+    ranks_with_different_models_fail_at_first_step, ranks_with_different_exchanges_fail_at_first_step,
+    ranks_with_different_strategies_fail_at_first_step, ranks_with_different_resharding_fail_at_first_step,
+    ranks_with_different_reduce_dtypes_fail_at_first_step, ranks_with_different_param_dtypes_fail_at_first_step,
+    ranks_with_different_fusion_fail_at_first_step, ranks_with_different_meshes_fail_at_first_step,
+    ranks_with_different_trainability_fail_at_first_step, ranks_with_different_shard_dims_fail_at_first_step,
+]
 
 
 def misuse_raises_the_types_fsdp2_raises():
@@ -215,8 +303,7 @@ def suite():
         all_reduce_hook_runs_on_the_given_stream,
         twice_on_one_module, child_after_parent, module_without_parameters_is_allowed, mesh_of_wrong_dimension,
         bad_shard_placement_fn, bad_policies, ignored_params_of_other_modules_are_accepted, ignored_params_stay_local,
-        frozen_mixed_with_trainable_works, ranks_with_different_models_fail_at_first_step,
-        ranks_with_different_exchanges_fail_at_first_step,
+        frozen_mixed_with_trainable_works, *DISAGREEMENTS,
     ] + SUITE_EXTRA}
 
 

@@ -79,7 +79,7 @@ class FakeRoot(Root):
     def _queue_end_of_backward(self):
         self.callbacks.append(self.end_of_backward)
 
-    def check_ranks_agree(self):
+    def check_ranks_agree(self, units):
         pass
 
 
@@ -398,7 +398,7 @@ def test_a_root_adopts_the_units_below_it_once_and_a_disagreement_undoes_it():
     root, blocks = model(log)
 
     class Disagreeing(FakeRoot):
-        def check_ranks_agree(self):
+        def check_ranks_agree(self, units):
             raise RuntimeError("ranks differ")
 
     root.root_class = Disagreeing
@@ -443,3 +443,27 @@ def test_a_unit_outside_the_roots_modules_joins_the_active_root_and_one_alone_is
         FakeUnit.active.root = None
     alone = FakeUnit(Module(), [FakeGroup("alone", log)])
     assert alone.ensure_context() is not context and alone.is_root
+
+
+def test_a_unit_that_joins_later_is_compared_before_its_first_gather_and_leaves_if_ranks_differ():
+    log, checked = [], []
+
+    class Checking(FakeRoot):
+        def check_ranks_agree(self, units):
+            checked.append([u.name for u in units])
+            if units[0].name == "outside":
+                raise RuntimeError("ranks differ")
+
+    root, blocks = model(log)
+    root.root_class = Checking
+    context = root.lazy_init_as_root()
+    outside = FakeUnit(Module(), [FakeGroup("outside", log)])
+    FakeUnit.active.root = root
+    try:
+        with pytest.raises(RuntimeError, match="ranks differ"):
+            outside.pre_forward(prefetch=False)
+    finally:
+        FakeUnit.active.root = None
+    assert checked == [["root", "block0", "block1"], ["outside"]]
+    assert outside not in context.units and outside.context is None and outside.phase is TrainingPhase.IDLE
+    assert not any("outside" in entry for entry in log), log  # nothing gathered

@@ -1,41 +1,84 @@
-"""Do all ranks hold the same model? A fixed-size check both runtimes run alike, with sums only.
+"""Do all ranks hold the same model, set up the same way? A fixed-size check both runtimes run alike, with sums only.
 
-Each rank describes what it wrapped as rows (one per parameter: name, global
-shape, shard dim, dtypes, trainability, ...) and hashes them (SHA-256). Every
-group of the mesh then sums, per piece of the hash, the piece and its square.
-All ranks of a group hold the same piece ``p`` exactly when the sums are
-``n * p`` and ``n * p * p``: the sum of ``(x - p) ** 2`` over the ranks is then
-zero. Every rank sees a disagreement, whichever rank differs.
+Each rank describes what it wrapped as :class:`Row` s, one per setting that
+changes what or how the ranks communicate (:func:`describe_model`: a unit's
+strategy and dtypes, a group's mesh, exchange and fusion, a parameter's
+shape, shard dim, dtypes and trainability, ...), and hashes them (SHA-256).
+The ranks then sum, per piece of the hash, the piece and its square, and a
+1 (which counts them). All ranks hold the same piece ``p`` exactly when the
+sum of ``(x - p) ** 2`` over them, ``sum(x*x) - 2*p*sum(x) + n*p*p``, is zero;
+every rank sees the same sums, so every rank sees a disagreement, whichever
+rank differs.
 
-Nothing is unpickled and nothing but a float sum travels, so the check runs on
-every backend and group (MindSpore's CPU backend sums float32 only, and
-gathers on the world group only). Pieces are chosen small enough that every
-sum is an integer a float32 carries exactly (below 2**24).
+Nothing is unpickled and nothing but a float sum travels, so the check runs
+on every backend and group (MindSpore's CPU backend sums float32 only, and
+gathers on the world group only). Pieces are small enough that every sum is
+an integer a float32 carries exactly (below 2**24). The size of every vector
+follows from the world size and from what earlier sums told every rank alike,
+never from a rank's own settings, so ranks that disagree still exchange
+vectors of one size and end the check together.
 
-Only when the hashes differ does a second round find the first row that
-differs (each row's CRC32 in the same pieces), so the error names a parameter.
+Only when the hashes differ, three more sums find and name the first
+setting that differs: the number of rows of every rank (each rank writes its
+own slot), the first row whose CRC32 differs, and that row's text from every
+rank, so every rank raises one error naming the setting and each rank's value.
 """
 from __future__ import annotations
 
 import hashlib
 import zlib
-from typing import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any, Callable, NamedTuple, Sequence
 
-# A group's sum of float32 values: what each runtime supplies for one group (one all-reduce, SUM).
-SumOverGroup = Callable[[list[float]], list[float]]
+# A sum of float32 values over every rank that holds the model: what each runtime supplies.
+SumOverRanks = Callable[[list[float]], list[float]]
 _EXACT = 1 << 24  # integers up to this are exact in float32
+_TEXT_BYTES = 256  # how much of each rank's differing row travels to the others
+_SEPARATOR = "\x1f"  # between a row's fields in its text (in no name or value)
 
 
 class RanksDisagree(RuntimeError):
-    """Ranks of a group wrapped different models (or planned them differently)."""
+    """Ranks wrapped different models, or set up fully_shard differently."""
 
 
-def _piece_bits(group_size: int) -> int:
-    """The widest pieces (8, 4, 2 or 1 bits) whose squares summed over the group stay exact in float32."""
+class Row(NamedTuple):
+    """One setting every rank must hold alike: ``setting`` of ``subject`` (e.g. "module 'layers.0'") is ``value``."""
+
+    subject: str
+    setting: str
+    value: str
+
+    @classmethod
+    def of(cls, subject: str, setting: str, value: Any) -> "Row":
+        return cls(subject, setting, str(value))
+
+    def text(self) -> str:
+        return _SEPARATOR.join(self)
+
+    def __str__(self) -> str:
+        return f"{self.setting} of {self.subject} = {self.value}"
+
+
+@dataclass(frozen=True)
+class Ranks:
+    """How a runtime reaches the ranks that hold the model.
+
+    ``sum`` adds a vector over all of them (one all-reduce on a group that spans them, or one per mesh dim);
+    ``slot`` is this rank's place among ``slots``, an upper bound on their number that does not depend on
+    any setting (the world rank and size), so every rank can write its own entries into one shared vector.
+    """
+
+    sum: SumOverRanks
+    slot: int
+    slots: int
+
+
+def _piece_bits(slots: int) -> int:
+    """The widest pieces (8, 4, 2 or 1 bits) whose squares summed over ``slots`` ranks stay exact in float32."""
     for bits in (8, 4, 2, 1):
-        if group_size * ((1 << bits) - 1) ** 2 < _EXACT:
+        if slots * ((1 << bits) - 1) ** 2 < _EXACT:
             return bits
-    raise ValueError(f"a group of {group_size} ranks is too large to compare in float32 sums")
+    raise ValueError(f"{slots} ranks are too many to compare in float32 sums")
 
 
 def _pieces(data: bytes, bits: int) -> list[int]:
@@ -43,52 +86,169 @@ def _pieces(data: bytes, bits: int) -> list[int]:
     return [(byte >> (bits * i)) & mask for byte in data for i in range(per_byte)]
 
 
-def _vector(pieces: Sequence[int]) -> list[float]:
-    return [float(p) for p in pieces] + [float(p * p) for p in pieces]
-
-
-def _same(summed: Sequence[float], pieces: Sequence[int], group_size: int) -> list[bool]:
-    """Per piece: does every rank hold this rank's value?"""
+def _same(ranks: Ranks, pieces: Sequence[int]) -> list[bool]:
+    """Per piece: does every rank hold this rank's value? (One sum over the ranks.)"""
     count = len(pieces)
-    return [summed[i] == group_size * p and summed[count + i] == group_size * p * p for i, p in enumerate(pieces)]
+    total = [int(x) for x in ranks.sum([1.0] + [float(p) for p in pieces] + [float(p * p) for p in pieces])]
+    n = total[0]
+    return [total[1 + count + i] - 2 * p * total[1 + i] + n * p * p == 0 for i, p in enumerate(pieces)]
+
+
+def _gather(ranks: Ranks, mine: Sequence[int], width: int) -> list[list[int]]:
+    """Every slot's ``width`` small integers (this rank writes its own slot, the sum fills the rest; a slot no
+    rank holds stays zeros)."""
+    vector = [0.0] * (ranks.slots * width)
+    vector[ranks.slot * width:ranks.slot * width + len(mine)] = [float(v) for v in mine]
+    total = [int(x) for x in ranks.sum(vector)]
+    return [total[slot * width:(slot + 1) * width] for slot in range(ranks.slots)]
+
+
+def _decoded(codes: Sequence[int]) -> str:
+    """A row's text as it travelled: cut short (marked "...") when it filled every byte."""
+    raw = bytes(codes).rstrip(b"\0")
+    return raw.decode(errors="ignore") + ("..." if len(raw) == _TEXT_BYTES else "")
+
+
+def _ranks_text(slots: Sequence[int]) -> str:
+    """[0, 2, 3, 4] -> "ranks 0, 2-4"."""
+    spans: list[list[int]] = []
+    for slot in slots:
+        if spans and spans[-1][1] == slot - 1:
+            spans[-1][1] = slot
+        else:
+            spans.append([slot, slot])
+    joined = ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in spans)
+    return f"rank{'s' if len(slots) > 1 else ''} {joined}"
 
 
 class Fingerprint:
-    """What one rank wrapped, as rows, and the sums that compare it with a group's other ranks."""
+    """What one rank wrapped, as rows, and the sums that compare it with the other ranks'."""
 
-    def __init__(self, rows: Iterable[object]) -> None:
-        self.rows = [repr(row) for row in rows]
+    def __init__(self, rows: Sequence[Row]) -> None:
+        self.rows = list(rows)
+        self._texts = [row.text() for row in self.rows]
         header = f"{len(self.rows)} rows\n".encode()
-        self.digest = hashlib.sha256(header + "\n".join(self.rows).encode()).digest()
+        self.digest = hashlib.sha256(header + "\n".join(self._texts).encode()).digest()
 
-    def agrees(self, sum_over_group: SumOverGroup, group_size: int) -> bool:
-        pieces = _pieces(self.digest, _piece_bits(group_size))
-        return all(_same(sum_over_group(_vector(pieces)), pieces, group_size))
+    def agrees(self, ranks: Ranks) -> bool:
+        return all(_same(ranks, _pieces(self.digest, _piece_bits(ranks.slots))))
 
-    def difference(self, sum_over_group: SumOverGroup, group_size: int) -> str:
-        """What differs: the number of rows, or the first row some rank holds differently. Every rank of the
-        group must call it (it sums twice), and every rank gets the same answer about its own rows."""
-        count = [len(self.rows)]
-        if not all(_same(sum_over_group(_vector(count)), count, group_size)):
-            return f"they hold different numbers of entries (here {len(self.rows)})"
-        bits = _piece_bits(group_size)
+    def difference(self, ranks: Ranks) -> str:
+        """The first row some rank holds differently, with every rank's version of it. Every rank must call
+        it (it sums three more times), and every rank gets the same answer."""
+        held = {slot: count[0] - 1 for slot, count in enumerate(_gather(ranks, [len(self.rows) + 1], 1)) if count[0]}
+        index = self._first_differing_row(ranks, min(held.values()))
+        mine = self._texts[index].encode()[:_TEXT_BYTES] if index < len(self.rows) else b""
+        texts = {slot: _decoded(codes) for slot, codes in enumerate(_gather(ranks, list(mine), _TEXT_BYTES))
+                 if slot in held}
+        if len(set(texts.values())) == 1:
+            if not mine:
+                return "their descriptions hash differently, though no single entry's checksum does"
+            return f"ranks disagree on {self.rows[index]}, past its first {_TEXT_BYTES} bytes"
+        return _describe_difference(index, texts, held)
+
+    def _first_differing_row(self, ranks: Ranks, shared: int) -> int:
+        """The first of the ``shared`` rows every rank holds whose checksum differs somewhere; ``shared`` if none."""
+        bits = _piece_bits(ranks.slots)
         per_row = 32 // bits
-        pieces = [p for row in self.rows for p in _pieces(zlib.crc32(row.encode()).to_bytes(4, "little"), bits)]
-        same = _same(sum_over_group(_vector(pieces)), pieces, group_size)
-        for index, row in enumerate(self.rows):
+        checksums = [zlib.crc32(text.encode()).to_bytes(4, "little") for text in self._texts[:shared]]
+        same = _same(ranks, [p for checksum in checksums for p in _pieces(checksum, bits)])
+        for index in range(shared):
             if not all(same[index * per_row:(index + 1) * per_row]):
-                return f"first difference at entry {index}: {row} here"
-        return "their descriptions hash differently, though no single entry's checksum does"
+                return index
+        return shared
 
 
-def check_ranks_agree(rows: Iterable[object], groups: Sequence[tuple[str, int, SumOverGroup]], hint: str) -> None:
-    """Raise :class:`RanksDisagree` on every rank of the first group whose ranks hold different ``rows``.
+def _describe_difference(index: int, texts: dict[int, str], held: dict[int, int]) -> str:
+    """Each distinct version of entry ``index`` with the ranks that hold it; the setting named once when every
+    rank holds the same setting of the same subject."""
+    versions: dict[str, list[int]] = {}
+    for slot, text in texts.items():
+        versions.setdefault(text, []).append(slot)
+    fields = {text: text.split(_SEPARATOR, 2) for text in versions}
+    if all(len(f) == 3 for f in fields.values()) and len({tuple(f[:2]) for f in fields.values()}) == 1:
+        subject, setting, _ = next(iter(fields.values()))
+        values = "; ".join(f"{fields[text][2]} on {_ranks_text(slots)}" for text, slots in versions.items())
+        return f"ranks disagree on {setting} of {subject}: {values}"
 
-    ``groups``: (name, size, sum) of every group of the mesh (a group of one is skipped), the same list
-    on every rank. ``hint`` says what the ranks must do alike.
-    """
+    def shown(text: str, slot: int) -> str:
+        if not text:
+            return f"nothing (its description ends after {held[slot]} entries)"
+        return str(Row(*fields[text])) if len(fields[text]) == 3 else text.replace(_SEPARATOR, " ")
+
+    described = "; ".join(f"{shown(text, slots[0])} on {_ranks_text(slots)}" for text, slots in versions.items())
+    return f"ranks describe different models from entry {index} on: {described}"
+
+
+def check_ranks_agree(rows: Sequence[Row], ranks: Ranks, hint: str) -> None:
+    """Raise :class:`RanksDisagree` on every rank if any rank holds different ``rows``. ``hint`` says what the
+    ranks must do alike."""
+    if ranks.slots < 2:
+        return
     fingerprint = Fingerprint(rows)
-    for name, size, sum_over_group in groups:
-        if size > 1 and not fingerprint.agrees(sum_over_group, size):
-            raise RanksDisagree(f"fully_shard: the ranks of the {name} group wrapped different models "
-                                f"({fingerprint.difference(sum_over_group, size)}); {hint}")
+    if not fingerprint.agrees(ranks):
+        raise RanksDisagree(f"fully_shard: {fingerprint.difference(ranks)}; {hint}")
+
+
+# Per subject, (setting, value) pairs a runtime adds to the shared ones.
+Values = Callable[[Any], dict[str, Any]]
+
+
+def describe_model(units: Sequence[Any], unit_values: Values, group_values: Values, param_values: Values
+                   ) -> list[Row]:
+    """The rows of ``units`` (``fullshard.core.lifecycle`` units), in an order where the first
+    difference is the cause: a unit's settings, then each group's, then its parameters' layouts (a different
+    strategy or fusion changes what follows it).
+
+    The settings both runtimes have are read here: a unit's strategy, resharding, prefetch targets and
+    ``mp_policy`` dtypes; a group's lifecycle flags; a parameter's shard dim, dtypes and trainability. The
+    ``*_values`` give what only a runtime knows (the mesh, the exchange, fusion, global shapes, placements).
+    Units without parameters issue no collective and are left out.
+    """
+    rows: list[Row] = []
+    for unit in units:
+        if unit.groups:
+            rows += _unit_rows(unit, unit_values(unit))
+        for group in unit.groups:
+            subject = f"module '{group.module_name}'" + (" (replicated parameters)" if group.replicated else "")
+            rows += [Row.of(subject, setting, value) for setting, value in group_values(group).items()]
+            rows += [Row.of(subject, setting, value) for setting, value in _group_settings(group).items()]
+            for param in group.params:
+                settings = {**_param_settings(param), **param_values(param)}
+                rows += [Row.of(f"parameter '{param.fqn}'", setting, value) for setting, value in settings.items()]
+    return rows
+
+
+def _unit_rows(unit: Any, runtime_values: dict[str, Any]) -> list[Row]:
+    # output_dtype and cast_forward_inputs are left out: they cast activations, never what travels.
+    settings = {
+        "strategy": unit.strategy.value,
+        "reshard_after_forward": unit.reshard_after_forward,
+        "param_dtype": unit.mp_policy.param_dtype,
+        "reduce_dtype": unit.mp_policy.reduce_dtype,
+        **runtime_values,
+        # the order of gathers (collective exchanges match by order)
+        "forward prefetch": [other.name for other in unit.forward_prefetch],
+        "backward prefetch": [other.name for other in unit.backward_prefetch],
+    }
+    return [Row.of(f"module '{unit.name}'", setting, value) for setting, value in settings.items()]
+
+
+def _group_settings(group: Any) -> dict[str, Any]:
+    """The lifecycle flags a group's methods set (``FSDPModule.set_*``): each decides whether a collective runs."""
+    return {
+        "reshard_after_backward": group.after_backward.value,
+        "unshard_in_backward": group.unshard_in_backward,
+        "requires_gradient_sync": group.reduce_grads,
+        "requires_all_reduce": group.all_reduce_grads,
+        "reduce_scatter_unused_params": group.reduce_unused_params,
+    }
+
+
+def _param_settings(param: Any) -> dict[str, Any]:
+    return {
+        "shard dim": param.layout.dim,
+        "dtype": param.stored_dtype,
+        "compute dtype": param.compute_dtype,
+        "requires_grad": param.requires_grad,
+    }

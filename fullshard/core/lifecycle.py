@@ -285,20 +285,18 @@ class Unit:
             unit = getattr(sub, STATE_ATTR, None)
             if unit is not None and unit not in context.units:
                 context.adopt(name, unit)  # also takes over a unit that ran alone before
-        try:
-            context.check_ranks_agree()
-        except Exception:
-            for unit in context.units:  # undone: the next forward checks again
-                unit.context, unit.is_root = None, None
-            raise
+        # Before the first gather: every unit's settings, also those of units that gather later in the step.
+        context.check_agreement(context.units)
         return context
 
     def ensure_context(self) -> "Root":
-        """A unit outside its root's modules (called from the root's forward) joins the active root."""
+        """A unit outside its root's modules (called from the root's forward) joins the active root, whose check
+        did not describe it: the ranks compare its settings before its first gather."""
         if self.context is None:
             root = getattr(self.active, "root", None)
             if root is not None and root.context is not None:
                 root.context.adopt("", self)
+                root.context.check_agreement([self])
             else:
                 self.lazy_init_as_root()
         return self.context
@@ -323,8 +321,9 @@ class Unit:
     def pre_forward(self, prefetch: bool) -> None:
         """Gather (issuing the next unit's gathers first when ``prefetch``), then the forward computes."""
         if self.groups:
+            context = self.ensure_context()  # may compare this unit across ranks first: it raises in IDLE
             self.phase = TrainingPhase.PRE_FORWARD
-            self.ensure_context().record_forward(self, ended=False)
+            context.record_forward(self, ended=False)
             with self.profiled("all-gather"):
                 for group in self.groups:
                     group.unshard()
@@ -479,8 +478,8 @@ class Root:
         """Make the framework call :meth:`end_of_backward` once the backward in flight is done."""
         raise NotImplementedError
 
-    def check_ranks_agree(self) -> None:
-        """Fail on every rank if ranks wrapped different models (``fullshard.core.agreement``)."""
+    def check_ranks_agree(self, units: list[Unit]) -> None:
+        """Fail on every rank if ranks set up ``units`` differently (``fullshard.core.agreement``)."""
         raise NotImplementedError
 
     def _before_gathers(self) -> None:
@@ -502,6 +501,16 @@ class Root:
         unit.context, unit.is_root = self, False
         for group in unit.groups:
             group.rename(name)  # errors and labels name parameters from the root
+
+    def check_agreement(self, units: list[Unit]) -> None:
+        """Compare ``units`` across ranks; if they differ, they leave this root (the next forward checks again)."""
+        try:
+            self.check_ranks_agree(units)
+        except Exception:
+            for unit in units:
+                unit.context, unit.is_root = None, None
+            self.units = [unit for unit in self.units if unit not in units]
+            raise
 
     # ------------------------------------------------------------------ forward
     def begin_step(self) -> None:

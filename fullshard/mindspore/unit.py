@@ -22,13 +22,14 @@ from functools import partial
 from typing import Any, Iterator, Optional
 
 from mindspore import Tensor, nn
+from mindspore.communication import GlobalComm, get_group_size, get_rank
 
-from fullshard.core.agreement import check_ranks_agree
+from fullshard.core.agreement import Ranks, check_ranks_agree, describe_model
 from fullshard.core.lifecycle import Root, TrainingPhase, Unit
 from fullshard.core.trees import map_leaves
 from fullshard.core.units import named_under
 from fullshard.mindspore.autograd import drop_failed_recording, queue_after_backward, recording
-from fullshard.mindspore.collectives import sum_floats
+from fullshard.mindspore.collectives import Comm, sum_floats
 from fullshard.mindspore.group import ParamGroup, UnitGather, carried_by
 from fullshard.mindspore.policies import FLOAT_DTYPES, MixedPrecisionPolicy
 from fullshard.plan.strategy import Strategy
@@ -50,21 +51,37 @@ class StepRoot(Root):
             group.carried_outputs = None  # nodes of the last pass are done with
         super().begin_step()
 
-    def check_ranks_agree(self) -> None:
-        """The shard group and the replicas compare a fixed-size fingerprint of what they wrapped."""
-        groups = self.groups
-        if not groups:
+    def check_ranks_agree(self, units: list) -> None:
+        """Every rank compares the settings of ``units`` (``fullshard.core.agreement``)."""
+        if not any(unit.groups for unit in units):
             return
-        rows = [
-            (p.fqn, p.layout.shape, p.layout.dim, str(p.stored_dtype), str(p.compute_dtype), p.requires_grad,
-             g.replicated)
-            for g in groups for p in g.params
-        ]
-        comms = [("shard", groups[0].comm), ("replicate", groups[0].replica)]
+        # Every mesh spans the world, and the world group is the one no setting can change: ranks that disagree,
+        # even on the mesh, still meet there.
+        world = Comm(GlobalComm.WORLD_COMM_GROUP, get_group_size(), get_rank())
         check_ranks_agree(
-            rows, [(name, comm.size, partial(sum_floats, comm=comm)) for name, comm in comms if comm is not None],
+            describe_model(units, _unit_values, _group_values, _param_values),
+            Ranks(partial(sum_floats, comm=world), world.rank, world.size),
             "every rank must build the same model and apply fully_shard the same way",
         )
+
+
+def _unit_values(unit: "ShardedUnit") -> dict[str, Any]:
+    return {"apply_grad_on_fp32_main_grad": unit.mp_policy.apply_grad_on_fp32_main_grad}
+
+
+def _group_values(group: ParamGroup) -> dict[str, Any]:
+    replicas = group.replica.size if group.replica is not None else 1
+    fuse, collectives = group.plan.fuse_below_numel, group.plan.collectives
+    return {
+        # sizes, not group names: the replicas' shard groups have names of their own
+        "mesh": f"{replicas} replicas x {group.comm.size} shards",
+        "exchange": f"all-gather {collectives.gather.value}, reduction {collectives.reduce.value}",
+        "comm_fusion": f"True (below {fuse} elements per rank)" if fuse > 0 else False,
+    }
+
+
+def _param_values(param: Any) -> dict[str, Any]:
+    return {"shape": param.layout.shape}
 
 
 class ShardedUnit(Unit):

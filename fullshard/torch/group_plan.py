@@ -50,8 +50,8 @@ class GroupPlan(BucketNames):
             ("extension", index) if p.extension is not None else (p.stored_dtype, p.compute_dtype, p.requires_grad)
             for index, p in enumerate(params)
         )
-        fuse = DEFAULT_FUSE_BELOW_NUMEL if fuse_below_numel is None else fuse_below_numel
-        self.buckets = plan_buckets(layouts, fuse, kinds)
+        self.fuse_below_numel = DEFAULT_FUSE_BELOW_NUMEL if fuse_below_numel is None else fuse_below_numel
+        self.buckets = plan_buckets(layouts, self.fuse_below_numel, kinds)
         self.exchange = choose_exchange(
             dist.get_backend(process_group), params[0].device.type, world, os.environ.get(EXCHANGE_ENV)
         )

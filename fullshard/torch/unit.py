@@ -28,7 +28,7 @@ from torch.autograd.graph import register_multi_grad_hook
 from torch.distributed.tensor import DTensor
 from torch.profiler import record_function
 
-from fullshard.core.agreement import check_ranks_agree
+from fullshard.core.agreement import Ranks, check_ranks_agree, describe_model
 from fullshard.core.lifecycle import GatherState, Root, TrainingPhase, Unit
 from fullshard.core.units import named_under
 from fullshard.plan.strategy import Strategy
@@ -83,34 +83,69 @@ class StepRoot(Root):
         if checks.check_finite_enabled() and self.groups:
             checks.raise_if_any(self.groups[0].process_group)
 
-    def check_ranks_agree(self) -> None:
-        """Every group of the mesh (shard, replicas, tensor parallel) compares a fixed-size fingerprint."""
-        groups = self.groups
+    def check_ranks_agree(self, units: list) -> None:
+        """Every rank of the model compares the settings of ``units`` (``fullshard.core.agreement``)."""
+        groups = [group for unit in units for group in unit.groups]
         if not groups:
             return
-        rows = [
-            (p.fqn, tuple(p.spec.shape), p.layout.dim, str(p.stored_dtype), str(p.compute_dtype), p.requires_grad,
-             repr(p.placements))
-            for group in groups for p in group.params
-        ]
-        # Ranks that move bytes differently (FULLSHARD_EXCHANGE set on some only) would wait on each other forever.
-        rows += [(f"exchange of module '{group.module_name}'", group.plan.exchange.value) for group in groups]
-        sample = groups[0].params[0]
-        mesh, device = sample.mesh, sample.device
-        names = mesh.mesh_dim_names or tuple(f"mesh dim {d}" for d in range(mesh.ndim))
-
-        def summing(process_group):
-            def sum_over_group(values: list[float]) -> list[float]:
-                buffer = torch.tensor(values, dtype=torch.float32, device=device)
-                dist.all_reduce(buffer, group=process_group)
-                return buffer.tolist()
-            return sum_over_group
-
+        for group in groups:  # parameters frozen or replaced since fully_shard are compared as they are now
+            group.follow_replaced_params()
+        rows = describe_model(units, _unit_values, _group_values, _param_values)
         check_ranks_agree(
-            rows, [(names[d], mesh.size(d), summing(mesh.get_group(d))) for d in range(mesh.ndim)],
+            rows, _model_ranks(groups),
             "every rank must build the same model, apply fully_shard the same way and set FULLSHARD_EXCHANGE alike "
             "(or nowhere)",
         )
+
+
+def _unit_values(unit: "ShardedUnit") -> dict[str, Any]:
+    return {"main_dtype": unit.mp_policy.main_dtype}
+
+
+def _group_values(group: ParamGroup) -> dict[str, Any]:
+    meshes = {id(p.mesh): p.mesh for p in group.params}.values()  # with tensor parallelism, two
+    block = group.post_forward_group  # reshard_after_forward=k: backward gathers within blocks of k ranks
+    return {
+        "mesh": "; ".join(_mesh_text(mesh) for mesh in meshes),
+        "exchange": f"all-gather {group.plan.gather_exchange.value}, reduce-scatter {group.plan.reduce_exchange.value}",
+        "fuse_below_numel": group.plan.fuse_below_numel,
+        "reshard_after_forward block": dist.get_world_size(block) if block is not None else None,
+    }
+
+
+def _mesh_text(mesh: Any) -> str:
+    """The whole mesh and, for a sub-mesh (``mesh["dp"]``), which of its dims: a sub-mesh's own ranks are this
+    rank's row only, which the other rows' ranks hold differently."""
+    root = mesh._get_root_mesh()
+    names = f" {root.mesh_dim_names}" if root.mesh_dim_names else ""
+    dims = f", dims {mesh.mesh_dim_names}" if root is not mesh else ""
+    return f"{root.device_type} {tuple(root.shape)}{names} of ranks {root.mesh.tolist()}{dims}"
+
+
+def _param_values(param: Any) -> dict[str, Any]:
+    # the global shape: a tensor-parallel local shape may differ between the tp ranks
+    return {"shape": tuple(param.spec.shape), "placements": param.placements, "all-gather extension": param.extended}
+
+
+def _model_ranks(groups: list[ParamGroup]) -> Ranks:
+    """Every rank of the widest mesh the parameters are placed on (with tensor parallelism, the tp dim too).
+
+    A mesh of the whole world sums on the default group, whose identity no setting can change: ranks that
+    disagree on the mesh itself still meet there. A mesh of fewer ranks (a pipeline stage's) sums along each
+    of its dims in turn, which adds up every rank of it; the ranks outside run other models, and a sum over
+    the world would wait for them.
+    """
+    mesh = max((p.mesh for g in groups for p in g.params), key=lambda m: m.size())
+    world, device = dist.get_world_size(), groups[0].params[0].device
+    summed_over = [None] if mesh.size() == world else [mesh.get_group(d) for d in range(mesh.ndim) if mesh.size(d) > 1]
+
+    def sum_over_ranks(values: list[float]) -> list[float]:
+        buffer = torch.tensor(values, dtype=torch.float32, device=device)
+        for group in summed_over:
+            dist.all_reduce(buffer, group=group)
+        return buffer.tolist()
+
+    return Ranks(sum_over_ranks, dist.get_rank(), world)
 
 
 class ShardedUnit(Unit):
