@@ -87,3 +87,38 @@ def test_a_tensor_of_its_own_is_really_freed():
     crash), which is why the runtime gathers into that storage again before backward."""
     done = _run("VIEW = False\n" + textwrap.dedent(_SAVED))
     assert done.returncode != 0 or "MEAN 6.0" not in done.stdout, done.stdout[-2000:]
+
+
+_RAISING_FORWARD = """
+    class Net(nn.Cell):
+        def __init__(self):
+            super().__init__()
+            self.norm = nn.LayerNorm((4,))
+            self.fc = nn.Dense(4, 4)
+
+        def construct(self, x, fail=False):
+            x = self.norm(x)
+            if fail:
+                raise RuntimeError("injected")
+            return self.fc(x).sum()
+
+    net = Net()
+    x = Tensor(np.ones((2, 4), np.float32))
+    grad = ms.value_and_grad(lambda fail: net(x, fail), None, net.trainable_params())
+    try:
+        grad(True)
+    except RuntimeError:
+        pass
+    CLEANUP
+    grad(False)
+"""
+
+
+def test_a_recorded_forward_that_raises_breaks_the_next_backward_until_its_recording_is_dropped():
+    """value_and_grad opens a graph for its function and closes it only when the function returns: after a
+    raise the next call records inside the broken one and its backward fails, without fullshard too. Dropping
+    the recording (what fullshard.mindspore.autograd.drop_failed_recording does) gives a working next step."""
+    broken = _run(_RAISING_FORWARD.replace("CLEANUP", "pass"))
+    assert broken.returncode != 0 and "out of range" in broken.stderr, broken.stderr[-2000:]
+    _check(_RAISING_FORWARD.replace("CLEANUP", "from mindspore.common.api import _pynative_executor\n"
+                                               "    _pynative_executor.clear_res()"))

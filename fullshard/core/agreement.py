@@ -94,6 +94,11 @@ def _same(ranks: Ranks, pieces: Sequence[int]) -> list[bool]:
     return [total[1 + count + i] - 2 * p * total[1 + i] + n * p * p == 0 for i, p in enumerate(pieces)]
 
 
+def alone() -> Ranks:
+    """This process by itself (no process group): nothing to compare or tell."""
+    return Ranks(lambda values: values, 0, 1)
+
+
 def _gather(ranks: Ranks, mine: Sequence[int], width: int) -> list[list[int]]:
     """Every slot's ``width`` small integers (this rank writes its own slot, the sum fills the rest; a slot no
     rank holds stays zeros)."""
@@ -103,10 +108,16 @@ def _gather(ranks: Ranks, mine: Sequence[int], width: int) -> list[list[int]]:
     return [total[slot * width:(slot + 1) * width] for slot in range(ranks.slots)]
 
 
-def _decoded(codes: Sequence[int]) -> str:
-    """A row's text as it travelled: cut short (marked "...") when it filled every byte."""
+def gather_texts(ranks: Ranks, text: str, width: int) -> list[str]:
+    """Every slot's ``text``, its first ``width`` UTF-8 bytes (cut short: marked "...", and on a whole
+    character); an empty string for a slot no rank holds. Every rank must call it."""
+    mine = list(text.encode()[:width])
+    return [_decoded(codes, width) for codes in _gather(ranks, mine, width)]
+
+
+def _decoded(codes: Sequence[int], width: int) -> str:
     raw = bytes(codes).rstrip(b"\0")
-    return raw.decode(errors="ignore") + ("..." if len(raw) == _TEXT_BYTES else "")
+    return raw.decode(errors="ignore") + ("..." if len(raw) == width else "")
 
 
 def _ranks_text(slots: Sequence[int]) -> str:
@@ -138,9 +149,8 @@ class Fingerprint:
         it (it sums three more times), and every rank gets the same answer."""
         held = {slot: count[0] - 1 for slot, count in enumerate(_gather(ranks, [len(self.rows) + 1], 1)) if count[0]}
         index = self._first_differing_row(ranks, min(held.values()))
-        mine = self._texts[index].encode()[:_TEXT_BYTES] if index < len(self.rows) else b""
-        texts = {slot: _decoded(codes) for slot, codes in enumerate(_gather(ranks, list(mine), _TEXT_BYTES))
-                 if slot in held}
+        mine = self._texts[index] if index < len(self.rows) else ""
+        texts = {slot: text for slot, text in enumerate(gather_texts(ranks, mine, _TEXT_BYTES)) if slot in held}
         if len(set(texts.values())) == 1:
             if not mine:
                 return "their descriptions hash differently, though no single entry's checksum does"

@@ -28,7 +28,8 @@ from typing import Callable, Optional, Union
 
 from fullshard.core import manifest
 from fullshard.core.durable import fsync_dir
-from fullshard.core.rank_failures import Ranks
+from fullshard.core.agreement import Ranks
+from fullshard.core.rank_failures import run_together
 from fullshard.core.untrusted import CheckpointError
 
 _STEP = re.compile(r"^step_(\d+)(\.partial|\.replaced)?$")
@@ -153,12 +154,12 @@ def save_together(final: Union[str, Path], ranks: Ranks, write_files: Callable[[
     fix = (f"Every rank raised this; the process group is still usable and the checkpoints saved before still "
            f"load. Fix the cause (disk space, write permission on {final.parent}) and save again: the next save "
            f"of {final.name} clears what this one left")
-    ranks.run(lambda: start_partial(final), f"{caller}: creating {partial}", fix, only=0)
-    ranks.run(lambda: write_files(partial), f"{caller}: writing the files of {partial}", fix)
+    run_together(ranks, lambda: start_partial(final), f"{caller}: creating {partial}", fix, only=0)
+    run_together(ranks, lambda: write_files(partial), f"{caller}: writing the files of {partial}", fix)
 
     def finish() -> None:
         write_manifest(partial)
         publish(final)
 
-    ranks.run(finish, f"{caller}: writing the manifest of {partial} and publishing it as {final.name}", fix, only=0)
+    run_together(ranks, finish, f"{caller}: writing the manifest of {partial} and publishing it as {final.name}", fix, only=0)
     return final

@@ -33,12 +33,12 @@ from mindspore import Parameter, Tensor, nn, ops
 
 from fullshard.core import manifest, shardfiles
 from fullshard.core.atomic import save_together
-from fullshard.core.rank_failures import Ranks
 from fullshard.core.shardfiles import MODEL, OPTIM, Piece, ShardedCheckpoint, key
 from fullshard.core.tensorfile import Array
 from fullshard.core.untrusted import CheckpointError
 from fullshard.mindspore.autograd import no_grad
 from fullshard.mindspore.buckets import gather_full
+from fullshard.mindspore.collectives import world_ranks
 from fullshard.mindspore.param import sharded_param_of
 from fullshard.mindspore.policies import dtype_name, dtype_named
 
@@ -109,19 +109,6 @@ def _targets(cell: nn.Cell, optimizer: Optional[nn.Optimizer]) -> list[tuple[Pie
     return targets
 
 
-def _ranks() -> Ranks:
-    """The world group (MindSpore's CPU backend sums float32 on it), or this process alone."""
-    from mindspore.communication import GlobalComm, get_group_size, get_rank
-
-    if not GlobalComm.INITED:
-        return Ranks(0, 1, lambda values: values)
-
-    def sum_over_group(values: list[float]) -> list[float]:
-        return ops.AllReduce()(Tensor(np.asarray(values, np.float32))).asnumpy().tolist()
-
-    return Ranks(get_rank(), get_group_size(), sum_over_group)
-
-
 # ---------------------------------------------------------------------- saving
 def save_checkpoint(cell: nn.Cell, path: Union[str, Path], optimizer: Optional[nn.Optimizer] = None) -> Path:
     """Write this rank's shards of ``cell`` (and ``optimizer``'s state) into checkpoint directory ``path``.
@@ -132,17 +119,17 @@ def save_checkpoint(cell: nn.Cell, path: Union[str, Path], optimizer: Optional[n
     A failure on any rank raises :class:`~fullshard.core.rank_failures.RanksFailed` on every rank,
     naming it (:func:`~fullshard.core.atomic.save_together`); alone, the error itself.
     """
-    ranks = _ranks()
+    ranks = world_ranks()
     with no_grad():
         pieces = [Piece(p.key, p.shape, p.dtype, p.dim, p.offset, p.length, _to_array(t))
                   for p, t in _targets(cell, optimizer)]
 
     def write_manifest(partial: Path) -> None:
         save_id = uuid.uuid4().hex
-        shardfiles.write_metadata(partial, ranks.size, pieces, save_id)
+        shardfiles.write_metadata(partial, ranks.slots, pieces, save_id)
         manifest.write(partial, shardfiles.FRAMEWORK, save_id)
 
-    return save_together(path, ranks, lambda partial: shardfiles.write_rank(partial, ranks.rank, pieces),
+    return save_together(path, ranks, lambda partial: shardfiles.write_rank(partial, ranks.slot, pieces),
                          write_manifest, "save_checkpoint")
 
 

@@ -14,6 +14,7 @@ from typing import Optional
 
 from mindspore import Tensor, mint, ops
 
+from fullshard.core.agreement import Ranks, alone
 from fullshard.core.traffic import count, timed
 from fullshard.mindspore import buffers
 from fullshard.plan import Exchange
@@ -107,3 +108,15 @@ def sum_floats(values: list[float], comm: Comm) -> list[float]:
 
     with no_grad():
         return _primitive("all_reduce", comm.group)(Tensor(np.asarray(values, np.float32))).asnumpy().tolist()
+
+
+def world_ranks() -> Ranks:
+    """Every rank, summing float32 on the world group (every mesh spans it, and no setting can change it), or
+    this process alone before ``init()``."""
+    from mindspore.communication import GlobalComm, get_group_size, get_rank
+
+    if not GlobalComm.INITED:
+        return alone()
+    world = Comm(GlobalComm.WORLD_COMM_GROUP, get_group_size(), get_rank())
+    return Ranks(lambda values: sum_floats(values, world), world.rank, world.size)
+

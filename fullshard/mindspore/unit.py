@@ -18,18 +18,16 @@ from __future__ import annotations
 
 import sys
 import threading
-from functools import partial
 from typing import Any, Iterator, Optional
 
 from mindspore import Tensor, nn
-from mindspore.communication import GlobalComm, get_group_size, get_rank
 
-from fullshard.core.agreement import Ranks, check_ranks_agree, describe_model
+from fullshard.core.agreement import check_ranks_agree, describe_model
 from fullshard.core.lifecycle import Root, TrainingPhase, Unit
 from fullshard.core.trees import map_leaves
 from fullshard.core.units import named_under
 from fullshard.mindspore.autograd import drop_failed_recording, queue_after_backward, recording
-from fullshard.mindspore.collectives import Comm, sum_floats
+from fullshard.mindspore.collectives import world_ranks
 from fullshard.mindspore.group import ParamGroup, UnitGather, carried_by
 from fullshard.mindspore.policies import FLOAT_DTYPES, MixedPrecisionPolicy
 from fullshard.plan.strategy import Strategy
@@ -55,12 +53,9 @@ class StepRoot(Root):
         """Every rank compares the settings of ``units`` (``fullshard.core.agreement``)."""
         if not any(unit.groups for unit in units):
             return
-        # Every mesh spans the world, and the world group is the one no setting can change: ranks that disagree,
-        # even on the mesh, still meet there.
-        world = Comm(GlobalComm.WORLD_COMM_GROUP, get_group_size(), get_rank())
+        # ranks that disagree, even on the mesh, still meet on the world group
         check_ranks_agree(
-            describe_model(units, _unit_values, _group_values, _param_values),
-            Ranks(partial(sum_floats, comm=world), world.rank, world.size),
+            describe_model(units, _unit_values, _group_values, _param_values), world_ranks(),
             "every rank must build the same model and apply fully_shard the same way",
         )
 

@@ -68,11 +68,12 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 from fullshard.core import manifest
+from fullshard.core.agreement import Ranks
 from fullshard.core.atomic import latest_step, resolve, save_together, step_dir  # noqa: F401 (latest_step: public here)
 from fullshard.core.layout_checks import check_key_paths, check_ranges, check_shape, check_tiling
 from fullshard.core.pickle_scan import check_pickle
-from fullshard.core.rank_failures import Ranks
 from fullshard.core.untrusted import CheckpointError, is_int, plain_file_name, read_whole, regular_file, show
+from fullshard.torch.collectives import ranks_summing_over
 
 # DCP's name for the metadata file (``filesystem._metadata_fn``, private there).
 _METADATA_FILE = ".metadata"
@@ -106,22 +107,14 @@ def save_atomic(state: dict[str, Any], root: Path, step: int) -> Path:
     the error itself.
     """
     ranks = _ranks()
-    return save_together(step_dir(root, step), ranks, lambda partial: _dcp_save(state, partial, ranks.rank),
+    return save_together(step_dir(root, step), ranks, lambda partial: _dcp_save(state, partial, ranks.slot),
                          _write_manifest, "save_atomic")
 
 
 def _ranks() -> Ranks:
     """The default process group, summing on the device its backend communicates from."""
-    if not dist.is_initialized():
-        return Ranks(0, 1, lambda values: values)
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
-
-    def sum_over_group(values: list[float]) -> list[float]:
-        buffer = torch.tensor(values, dtype=torch.float32, device=device)
-        dist.all_reduce(buffer)
-        return buffer.tolist()
-
-    return Ranks(dist.get_rank(), dist.get_world_size(), sum_over_group)
+    nccl = dist.is_initialized() and dist.get_backend() == "nccl"
+    return ranks_summing_over([None], torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu"))
 
 
 def _dcp_save(state: dict[str, Any], partial: Path, rank: int) -> None:

@@ -14,6 +14,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from fullshard.core.agreement import Ranks, alone
 from fullshard.plan import Exchange
 
 
@@ -159,3 +160,20 @@ def _widen_and_add(output: torch.Tensor, received: torch.Tensor, own: torch.Tens
         end = min(output.numel(), start + _WIDEN_BLOCK)
         peer = received[start:end].to(output.dtype)  # a copy, taken before output[start:end] is written
         torch.add(peer, own[start:end], out=output[start:end])
+
+
+def ranks_summing_over(groups: Sequence[Optional[dist.ProcessGroup]], device: torch.device) -> Ranks:
+    """Every rank of the default group, summing a short float32 vector over ``groups`` in turn (None: the
+    default group): control messages (agreement, shared failures), never counted as traffic. Alone without a
+    process group."""
+    if not dist.is_initialized():
+        return alone()
+
+    def sum_over_ranks(values: list[float]) -> list[float]:
+        buffer = torch.tensor(values, dtype=torch.float32, device=device)
+        for group in groups:
+            dist.all_reduce(buffer, group=group)
+        return buffer.tolist()
+
+    return Ranks(sum_over_ranks, dist.get_rank(), dist.get_world_size())
+

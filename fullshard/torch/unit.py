@@ -33,6 +33,7 @@ from fullshard.core.lifecycle import GatherState, Root, TrainingPhase, Unit
 from fullshard.core.units import named_under
 from fullshard.plan.strategy import Strategy
 from fullshard.torch import checks
+from fullshard.torch.collectives import ranks_summing_over
 from fullshard.torch.group import ParamGroup
 from fullshard.torch.policies import MixedPrecisionPolicy
 from fullshard.torch.trees import map_tensors, tensors_in
@@ -136,16 +137,9 @@ def _model_ranks(groups: list[ParamGroup]) -> Ranks:
     the world would wait for them.
     """
     mesh = max((p.mesh for g in groups for p in g.params), key=lambda m: m.size())
-    world, device = dist.get_world_size(), groups[0].params[0].device
-    summed_over = [None] if mesh.size() == world else [mesh.get_group(d) for d in range(mesh.ndim) if mesh.size(d) > 1]
-
-    def sum_over_ranks(values: list[float]) -> list[float]:
-        buffer = torch.tensor(values, dtype=torch.float32, device=device)
-        for group in summed_over:
-            dist.all_reduce(buffer, group=group)
-        return buffer.tolist()
-
-    return Ranks(sum_over_ranks, dist.get_rank(), world)
+    whole = mesh.size() == dist.get_world_size()
+    return ranks_summing_over([None] if whole else [mesh.get_group(d) for d in range(mesh.ndim) if mesh.size(d) > 1],
+                              groups[0].params[0].device)
 
 
 class ShardedUnit(Unit):
