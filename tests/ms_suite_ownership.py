@@ -55,7 +55,7 @@ def observe():
         return owned
 
     def reduce_and_record(groups, grads):
-        for param, grad in zip([p for g in groups for p in g.params], grads):
+        for param, grad in zip([p for g in groups for p in g.in_bucket_order], grads):
             storage = grad.untyped_storage()
             seen["grads"].append((param.fqn, grad, grad.copy(), storage.nbytes(), storage.data_ptr()))
         return reduce_in_bprop(groups, grads)
@@ -462,7 +462,7 @@ def drive_reductions(net, sync: bool = True, across_replicas: bool = True, divid
             group.reduce_grads, group.all_reduce_grads = sync, sync and across_replicas
             group.divide_factor = divide_factor
         group_module.reduce_in_bprop(state.groups, tuple(ops.ones(p.layout.shape, p.compute_dtype)
-                                                         for g in state.groups for p in g.params))
+                                                         for g in state.groups for p in g.in_bucket_order))
 
 
 def _states(net):

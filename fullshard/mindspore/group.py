@@ -98,8 +98,9 @@ class ParamGroup(Group):
         self.replica = replica
         self.replicated = replicated  # no_shard / replicate_params: nothing to gather, gradients all-reduced
         self.plan = GroupPlan(params, reduce_dtype, module_name, fuse_below_numel, collectives_, backend)
-        # In bucket order: how a node takes the shards and hands out the tensors and the gradients.
-        self.params = [params[i] for bucket in self.plan.buckets for i in bucket.members]
+        self.params = params
+        # How a node takes the shards and hands out the tensors and their gradients: bucket by bucket.
+        self.in_bucket_order = [params[i] for bucket in self.plan.buckets for i in bucket.members]
         for param in params:
             param.group = self
         self.gathered: list[Gathered] = [self._empty(index) for index in range(len(self.plan.buckets))]
@@ -141,7 +142,7 @@ class ParamGroup(Group):
         return Gathered(tuple(s.tensor for s in storage), storage)
 
     def tensors(self) -> tuple[Tensor, ...]:
-        """Every member's unsharded tensor, in bucket order (what a node returns for this group)."""
+        """Every member's unsharded tensor, ``in_bucket_order`` (what a node returns for this group)."""
         return tuple(t for gathered in self.gathered for t in gathered.tensors)
 
     def _start_gather(self) -> None:
@@ -179,7 +180,7 @@ class ParamGroup(Group):
         """The cells' attributes show the outputs of the node that carries this group in this pass, or else
         the gathered tensors (no gradient reaches the shards through those)."""
         shown = self.carried_outputs if self.carried_outputs is not None else self.tensors()
-        for param, tensor in zip(self.params, shown):
+        for param, tensor in zip(self.in_bucket_order, shown):
             param.show(tensor)
 
     def _hide(self) -> None:
@@ -250,7 +251,8 @@ class _Request:
 
 
 def reduce_in_bprop(groups: list[ParamGroup], douts: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
-    """A node's bprop: the gradients of every tensor it showed (in its groups' order) -> each shard's gradient.
+    """A node's bprop: the gradients of every tensor it showed (its groups' ``in_bucket_order``) -> each shard's
+    gradient, in the same order.
 
     Buckets in which no parameter wants a gradient return zeros; without gradient sync the gradients are summed
     for later and zeros returned. Every other bucket is reduced here, whether or not a gradient reached it on
@@ -272,7 +274,7 @@ def reduce_in_bprop(groups: list[ParamGroup], douts: tuple[Tensor, ...]) -> tupl
     reduced = {id(r.param): r.result for r in requests}
     return tuple(
         reduced.get(id(param)) if reduced.get(id(param)) is not None else _zeros(param)
-        for group in groups for param in group.params
+        for group in groups for param in group.in_bucket_order
     )
 
 

@@ -154,7 +154,7 @@ class ShardedUnit(Unit):
             return
         self.carrying = carrying
         groups = [g for unit in carrying for g in unit.groups]
-        outputs = self.gather(*[p.sharded for g in groups for p in g.params])
+        outputs = self.gather(*[p.sharded for g in groups for p in g.in_bucket_order])
         outputs = (outputs,) if isinstance(outputs, Tensor) else tuple(outputs)
         for group in groups:
             group.carried_outputs, outputs = outputs[:len(group.params)], outputs[len(group.params):]
