@@ -16,7 +16,7 @@ from tests.ms_parity import TinyLM, init_numpy, rank, world, wrap_layers
 
 def _snapshot(net):
     return type(net), [(name, id(p)) for name, p in net.parameters_and_names()], [
-        type(c) for _, c in net.cells_and_names()], any(hasattr(c, "_fullshard_state") for _, c in net.cells_and_names())
+        type(c) for _, c in net.cells_and_names()], any(hasattr(c, "_fullshard_unit") for _, c in net.cells_and_names())
 
 
 def _refused(call, error_type, *fragments):

@@ -204,7 +204,7 @@ CASES = {
 def _units(net) -> list:
     seen, units = set(), []
     for _, cell in net.cells_and_names():
-        unit = getattr(cell, "_fullshard_state", None)
+        unit = getattr(cell, "_fullshard_unit", None)
         if unit is not None and id(unit) not in seen:
             seen.add(id(unit))
             units.append(unit)

@@ -28,7 +28,7 @@ def hsdp_parity():
         for layer in net.layers:
             fs.fully_shard(layer, mesh=mesh)
         fs.fully_shard(net, mesh=mesh, replicate_params=[net.norm.gamma, net.norm.beta])
-        collectives = net.layers[0]._fullshard_state.groups[0].plan.collectives
+        collectives = net.layers[0]._fullshard_unit.groups[0].plan.collectives
         assert (collectives.gather, collectives.reduce) == (Exchange.ZERO_FILLED_ALL_REDUCE, Exchange.ALL_REDUCE_CHUNK)
         assert net.norm.gamma.shape == (8,) and net.layers[0].fc1.weight.shape == (8, 8)
     reset_traffic()
@@ -55,11 +55,11 @@ def hsdp_partial_sums():
         total = ref if total is None else [a + b for a, b in zip(total, ref)]
         if micro == 0:
             assert all(not g.asnumpy().any() for g in grads), "gradients kept as partial sums return zeros"
-            assert sharded._fullshard_state.groups[0].has_pending_grads()
+            assert sharded._fullshard_unit.groups[0].has_pending_grads()
     worst = 0.0
     for param, grad, want in zip(params, grads, total):
         worst = max(worst, assert_close(grad.asnumpy(), shard_of(want, param), f"summed {param.name}"))
-    assert not sharded._fullshard_state.groups[0].has_pending_grads()
+    assert not sharded._fullshard_unit.groups[0].has_pending_grads()
     return {"max_grad_error": worst}
 
 

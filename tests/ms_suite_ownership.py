@@ -22,7 +22,7 @@ from fullshard.core.traffic import reset_traffic, traffic_bytes
 from fullshard.mindspore import buffers, group as group_module
 from fullshard.mindspore.policies import dtype_bytes
 from fullshard.plan import DEFAULT_FUSE_BELOW_NUMEL, Unsharded
-from fullshard.plan.backends import carried_traffic
+from fullshard.plan.exchange import carried_traffic
 from fullshard.plan.strategy import Strategy, bytes_sent_per_rank, per_rank_theory
 from tests.ms_parity import (
     TinyLM,
@@ -255,8 +255,8 @@ def byte_meter_zero3():
         samples["gathered"] = traffic_bytes()["all_gather"]
         figures[label], nets[label] = samples, net
     net = nets["zero3"]  # the sizes below are the unfused units'
-    root = net._fullshard_state
-    units = [layer._fullshard_state for layer in net.layers]
+    root = net._fullshard_unit
+    units = [layer._fullshard_unit for layer in net.layers]
     root_bytes, layer_bytes = _unsharded_bytes(root), _unsharded_bytes(units[0])
     zero3, kept = figures["zero3"], figures["reshard_after_forward=False"]
     assert zero3["after_forward"] == root_bytes, (zero3, root_bytes)  # only the root stays gathered
@@ -304,7 +304,7 @@ def prefetched_but_not_run():
     samples = {}
     net.register_forward_hook(lambda cell, args, out: samples.__setitem__("after_forward", fs.comm_bytes()["live"] - base))
     _step(net)
-    root = _unsharded_bytes(net._fullshard_state)
+    root = _unsharded_bytes(net._fullshard_unit)
     assert samples["after_forward"] == root, (samples, root)
     assert fs.comm_bytes()["live"] == base
     return samples
@@ -398,8 +398,8 @@ def traffic_vs_theory():
     ids, labels = lm_batch(1, 4, vocab=8)
     ms.value_and_grad(lambda: lm_loss(net, local_rows(ids), local_rows(labels)), None, net.trainable_params())()
     counted = traffic_bytes()
-    root = net._fullshard_state
-    units = [root] + [layer._fullshard_state for layer in net.layers]
+    root = net._fullshard_unit
+    units = [root] + [layer._fullshard_unit for layer in net.layers]
     num = sum(p.layout.numel for s in units for g in s.groups for p in g.params)
     largest = max(sum(p.layout.numel for g in s.groups for p in g.params) for s in units)
     root_params = sum(p.layout.numel for g in root.groups for p in g.params)
@@ -468,7 +468,7 @@ def drive_reductions(net, sync: bool = True, across_replicas: bool = True, divid
 def _states(net):
     seen, states = set(), []
     for _, cell in net.cells_and_names():
-        state = getattr(cell, "_fullshard_state", None)
+        state = getattr(cell, "_fullshard_unit", None)
         if state is not None and id(state) not in seen:
             seen.add(id(state))
             states.append(state)

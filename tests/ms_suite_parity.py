@@ -154,7 +154,7 @@ def grad_accumulation_no_sync():
 
 
 def _states(net):
-    return {id(s): s for _, c in net.cells_and_names() for s in [getattr(c, "_fullshard_state", None)] if s}.values()
+    return {id(s): s for _, c in net.cells_and_names() for s in [getattr(c, "_fullshard_unit", None)] if s}.values()
 
 
 def reduce_op_sum():
@@ -175,7 +175,7 @@ def divide_factor_per_cell():
     summed = run_parity(wrap=wrap, grad_scale=world()).as_dict()
     root_only = wrap_layers(init_numpy(TinyLM()))
     root_only.set_gradient_divide_factor(1.0)
-    factors = {name or "root": [g.divide_factor for g in cell._fullshard_state.groups]
+    factors = {name or "root": [g.divide_factor for g in cell._fullshard_unit.groups]
                for name, cell in root_only.cells_and_names() if isinstance(cell, fs.FSDPModule)}
     assert factors.pop("root") == [1.0] and factors and all(f == [None] for f in factors.values()), factors
     return summed
@@ -187,7 +187,7 @@ def fp16_compute_fp32_reduce():
 
     def wrap(net):
         wrap_layers(net, mp_policy=mp)
-        group = net._fullshard_state.groups[0]
+        group = net._fullshard_unit.groups[0]
         assert group.plan.members(0)[0].compute_dtype == ms.float16
     result = run_parity(wrap=wrap, atol=3e-3, rtol=3e-2)
     return result.as_dict()
@@ -297,7 +297,8 @@ def clip_grad_norm():
 
 
 def unshard_reshard():
-    """unshard(): the attributes show full tensors and forward runs on them without gathering; reshard()
+    """unshard(): the attributes show full tensors, and the next forward runs on them without gathering (FSDP2's
+    meaning); ZeRO-3 reshards after that forward and gathers again for backward, as for any unit. reshard()
     frees them and shows the shards."""
     reference, sharded = init_numpy(TinyLM()), init_numpy(TinyLM())
     wrap_layers(sharded)
@@ -314,9 +315,10 @@ def unshard_reshard():
     _, ref_grads = ms.value_and_grad(lambda: lm_loss(reference, ids, labels), None, ref_params)()
     for param, grad, ref in zip(params, grads, ref_grads):
         assert_close(grad.asnumpy(), shard_of(ref.asnumpy(), param), f"gradient of {param.name}")
-    # the unsharded layer was gathered neither in forward nor for backward; the others as usual
-    root, first = sharded._fullshard_state, sharded.layers[0]._fullshard_state
-    assert traffic_bytes()["all_gather"] == gathered_bytes(root) + 2 * gathered_bytes(first), traffic_bytes()
+    # the unsharded layer was not gathered in forward, only for backward; the others as usual
+    root, first = sharded._fullshard_unit, sharded.layers[0]._fullshard_unit
+    expected = gathered_bytes(root) + 2 * gathered_bytes(first) + gathered_bytes(layer._fullshard_unit)
+    assert traffic_bytes()["all_gather"] == expected, traffic_bytes()
     layer.unshard()
     assert tuple(layer.fc1.weight.shape) == (16, 8)
     layer.reshard()
@@ -373,7 +375,7 @@ def comm_fusion():
         def wrap(net, fusion=fusion):
             wrap_layers(net, comm_fusion=fusion)
             for layer in net.layers:
-                buckets, params = layer._fullshard_state.groups[0].plan.buckets, layer.trainable_params()
+                buckets, params = layer._fullshard_unit.groups[0].plan.buckets, layer.trainable_params()
                 assert len(buckets) == (1 if fusion else len(params)), (fusion, len(buckets))
         results["fused" if fusion else "unfused"] = run_parity(wrap=wrap).as_dict()
     return results
@@ -437,9 +439,9 @@ def bf16_travels_as_fp16_bits():
     def wrap(net):
         fs.fully_shard(net.proj)
         fs.fully_shard(net)
-        plan = net.proj._fullshard_state.groups[0].plan
-        assert plan.gather_carrier(0) == (ms.float16, True)
-        assert plan.wire_dtype(ms.bfloat16) == ms.float32
+        plan = net.proj._fullshard_unit.groups[0].plan
+        assert plan.gather_carrier(0) == ("float16", True)
+        assert plan.wire_dtype(0) == "float32"  # bf16 gradients, summed by a backend without bf16
     reset_traffic()
     result = run_parity(build, wrap, steps=1, atol=2e-2, rtol=2e-2, optimize=False)
     # gathered bytes: bf16 shards, 2 bytes per element (bit cast), never widened

@@ -10,7 +10,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-import fullshard.torch.group_plan as group_module
+import fullshard.torch.group as group_module
 from fullshard import FSDPModule, MixedPrecisionPolicy, fully_shard
 from fullshard.core.agreement import RanksDisagree
 from fullshard.models.gpt import GPT, GPTConfig
@@ -20,7 +20,7 @@ from tests.parity import build_gpt, mesh_1d, run_parity, shard_blocks_then_root
 def _unchanged(model: nn.Module, cls: type) -> None:
     assert type(model) is cls and not isinstance(model, FSDPModule), "model class was changed"
     assert not any(isinstance(p, DTensor) for p in model.parameters()), "parameters were sharded"
-    assert not hasattr(model, "_fullshard_state")
+    assert not hasattr(model, "_fullshard_unit")
 
 
 def _raises(match: str, fn, *args, **kwargs):

@@ -15,7 +15,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import Shard
 
-import fullshard.torch.group_plan as group_module
+import fullshard.torch.group as group_module
 from fullshard import MixedPrecisionPolicy
 from fullshard.torch import buffers
 from fullshard.plan import Exchange, exchange_tag, reduce_scratch_chunks

@@ -68,7 +68,7 @@ def state_is_reachable_through_fully_shard():
     model = Stack()
     fully_shard(model.layers[0], mesh=mesh_1d())
     state = fully_shard.state(model.layers[0])
-    assert state is model.layers[0]._fullshard_state and fully_shard.state(model) is None
+    assert state is model.layers[0]._fullshard_unit and fully_shard.state(model) is None
     return True
 
 

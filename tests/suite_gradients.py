@@ -71,7 +71,7 @@ The cases:
 
 Fusion is internal on torch (parameters whose chunk is below ``DEFAULT_FUSE_BELOW_NUMEL`` share a
 collective) and has no public switch (``GroupPlan`` takes a threshold, nothing public passes one), so
-"off" is a test-only patch, as in tests/suite_core.py: the threshold ``fullshard/torch/group_plan.py``
+"off" is a test-only patch, as in tests/suite_core.py: the threshold ``fullshard/torch/group.py``
 reads is 0 for the whole scenario (plans are made again when trainability changes). Every scenario
 asserts from the plans and the reductions issued that buckets really were fused, or not.
 
@@ -97,10 +97,10 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 import fullshard.torch.collectives as collectives
-import fullshard.torch.group_plan as group_plan
+import fullshard.torch.group as group_plan
 from fullshard import fully_shard
 from fullshard.core import traffic
-from fullshard.core.lifecycle import distinct_units
+from fullshard.core.unit import distinct_units
 from fullshard.plan.strategy import Strategy
 
 STRATEGIES = [s.value for s in Strategy]
@@ -445,7 +445,7 @@ def recording_reductions():
 
 @contextlib.contextmanager
 def fusion(on: bool):
-    """Fusion on torch has no public switch: the threshold group_plan.py reads is patched (test-only, as
+    """Fusion on torch has no public switch: the threshold fullshard.torch.group reads is patched (test-only, as
     tests/suite_core.py does) for the whole scenario, since plans are made again when trainability changes."""
     saved = group_plan.DEFAULT_FUSE_BELOW_NUMEL
     group_plan.DEFAULT_FUSE_BELOW_NUMEL = saved if on else 0

@@ -16,7 +16,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import Shard
 
-import fullshard.torch.group_plan as group_module
+import fullshard.torch.group as group_module
 from fullshard import MixedPrecisionPolicy, fully_shard
 from fullshard.torch import buffers
 from fullshard.plan import Unsharded
@@ -260,7 +260,7 @@ def no_shard_tensor_subclass():
     for replica, (a, b) in zip(replicas, values):
         assert replica.a.untyped_storage().nbytes() == a.numel() * 4 and torch.equal(replica.a, a)
         assert torch.equal(replica.b, b)
-    groups = [layer._fullshard_state.group for layer in model]
+    groups = [layer._fullshard_unit.group for layer in model]
     assert all(how is Unsharded.REPLICA for g in groups for how in g.plan.replica_plans)
     return float(loss)
 

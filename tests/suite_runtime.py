@@ -15,7 +15,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
 
-from fullshard.core.lifecycle import TrainingPhase
+from fullshard.core.unit import TrainingPhase
 from fullshard.plan.strategy import Strategy
 from tests.parity import build_gpt, gpt_batch, mesh_1d, run_parity, shard_blocks_then_root
 
@@ -218,7 +218,7 @@ def phases_and_profiler_labels():
 
     mesh = mesh_1d()
     model = shard_blocks_then_root(build_gpt(), mesh=mesh)
-    block = model.layers[0]._fullshard_state
+    block = model.layers[0]._fullshard_unit
     seen = []
     block.modules[0].register_forward_pre_hook(lambda *_: seen.append(block.phase))  # runs after fullshard's
     tokens = gpt_batch(0, 2)[0]

@@ -305,7 +305,7 @@ def mesh_errors_name_both_meshes():
             fully_shard(model.layers[0], mesh=dp_mesh)
         except ValueError as error:
             assert expected in str(error) and "'up.weight'" in str(error), str(error)
-            assert not hasattr(model.layers[0], "_fullshard_state")  # nothing half-applied
+            assert not hasattr(model.layers[0], "_fullshard_unit")  # nothing half-applied
             messages.append(str(error))
         else:
             raise AssertionError(f"no error for {dp_mesh}")

@@ -95,7 +95,8 @@ def state_diagram(rows) -> str:
 
 def test_the_design_draws_the_lifecycle_from_the_code():
     """docs/design.md opens with the unit and gather-state diagrams; they are the code's own tables."""
-    from fullshard.core.lifecycle import GATHER_TRANSITIONS, TRANSITIONS
+    from fullshard.core.group import GATHER_TRANSITIONS
+    from fullshard.core.unit import TRANSITIONS
 
     blocks = re.findall(r"```mermaid\nstateDiagram-v2\n(.*?)\n```", (ROOT / "docs" / "design.md").read_text(), re.S)
     assert blocks[:2] == [state_diagram(TRANSITIONS), state_diagram(GATHER_TRANSITIONS)]

@@ -1,12 +1,11 @@
-"""The unit lifecycle (``fullshard.core.lifecycle``) on plain objects: a fake runtime records every framework
+"""The unit lifecycle (``fullshard.core.unit``, ``fullshard.core.group``) on plain objects: a fake runtime records every framework
 operation the rules ask for, in order, so each rule is checked without a framework or a process."""
 import threading
 
 import pytest
 
-from fullshard.core.lifecycle import (
-    GATHER_TRANSITIONS, STATE_ATTR, TRANSITIONS, GatherState, Group, Root, TrainingPhase, Unit, distinct_units,
-)
+from fullshard.core.group import GATHER_TRANSITIONS, GatherState, Group
+from fullshard.core.unit import TRANSITIONS, UNIT_ATTR, Root, TrainingPhase, Unit, distinct_units
 from fullshard.plan.strategy import AfterBackward, Strategy
 
 _active = threading.local()
@@ -96,7 +95,7 @@ class FakeUnit(Unit):
     def __init__(self, module, groups, strategy=Strategy.OPTIM_GRADS_PARAMS, reshard_after_forward=None):
         super().__init__(groups, strategy, reshard_after_forward, module_count=1)
         self.module = module
-        setattr(module, STATE_ATTR, self)
+        setattr(module, UNIT_ATTR, self)
 
     @property
     def name(self):
@@ -148,7 +147,7 @@ def forward(root, blocks, needs_grad=True):
     assert root.enter_root_forward()
     root.pre_forward(prefetch=True)
     for block in blocks:
-        block.ensure_context()
+        block.ensure_root()
         block.pre_forward(prefetch=True)
         block.post_forward(block.module, needs_grad, in_backward=False)
     root.post_forward(root.module, needs_grad, in_backward=False)
@@ -168,9 +167,9 @@ def backward(root, blocks, grads=True, end=True):
 
 
 def end_backward(root):
-    for callback in root.context.callbacks:
+    for callback in root.root.callbacks:
         callback()
-    root.context.callbacks.clear()
+    root.root.callbacks.clear()
 
 
 def test_zero3_step_gathers_twice_reduces_per_unit_and_reshards_everything():
@@ -230,7 +229,7 @@ def test_a_forward_without_grad_reshards_and_no_backward_is_expected():
     root, blocks = model(log)
     forward(root, blocks, needs_grad=False)
     assert "free block0" in log and "keep root" in log  # the root, too, shows its shards again (storage kept)
-    assert root.forwards_with_grad == 0 and root.context.end_of_backward_queued is False
+    assert root.forwards_with_grad == 0 and root.root.end_of_backward_queued is False
 
 
 def test_accumulating_without_sync_keeps_gathered_copies_across_forwards():
@@ -262,27 +261,28 @@ def test_explicit_unshard_serves_the_next_forward_only():
     forward(root, blocks)
     backward(root, blocks)
     group = blocks[0].groups[0]
-    group.unshard_now()
-    group.keep_for_next_forward = True
+    group.unshard()
+    group.keep_for_next_forward()
+    assert group.state is GatherState.KEPT
     log.clear()
     forward(root, blocks)
     assert "gather block0" not in log and "free-keeping-chunks block0" in log  # used, then resharded by policy
-    assert group.keep_for_next_forward is False
+    assert group.state is GatherState.SHARDED
 
 
-def test_held_unshard_survives_forward_and_backward_until_reshard():
+def test_a_kept_copy_whose_shards_changed_is_gathered_again():
     log = []
-    root, blocks = model(log)
-    group = blocks[1].groups[0]
-    group.unshard_now()
-    group.held = True
+    root, blocks = model(log, strategy=Strategy.OPTIM_GRADS, after=AfterBackward.KEEP_STORAGE)
     forward(root, blocks)
     backward(root, blocks)
-    assert "free-keeping-chunks block1" not in log and group.state is GatherState.SHARDED  # RESHARD after backward
-    group.unshard_now()
-    group.held = True
-    group.reshard()
-    assert group.held is False and log[-1] == "free block1"
+    group = blocks[1].groups[0]
+    assert group.state is GatherState.STALE  # ZeRO-2 after a synced backward: the storage kept, the shards shown
+    group.unshard()
+    group.keep_for_next_forward()
+    group.changed = True  # an optimizer step, after unshard()
+    log.clear()
+    forward(root, blocks)
+    assert log.count("gather block1") == 1 and "keep block1" in log
 
 
 def test_reshard_after_backward_false_keeps_parameters_gathered_for_the_next_forward():
@@ -290,7 +290,7 @@ def test_reshard_after_backward_false_keeps_parameters_gathered_for_the_next_for
     root, blocks = model(log, after=AfterBackward.KEEP_GATHERED)
     forward(root, blocks)
     backward(root, blocks)
-    assert all(u.groups[0].keep_for_next_forward for u in [root, *blocks])
+    assert all(u.groups[0].state is GatherState.KEPT for u in [root, *blocks])
 
 
 def test_reduce_unused_params_units_reduce_at_the_end_of_backward_in_module_order():
@@ -330,7 +330,7 @@ def test_gradients_that_came_late_are_reduced_at_the_end_of_backward():
         unit.pre_backward()
         unit.post_backward()  # nothing pending yet
     blocks[0].groups[0].grads = 1  # e.g. a unit whose inputs need no gradient
-    root.context.callbacks[0]()
+    root.root.callbacks[0]()
     assert "reduce block0" in log and "reduced block0" in log
 
 
@@ -345,7 +345,7 @@ def test_abandoning_a_step_drops_reductions_and_shows_the_shards():
     root.reset_step()
     assert "reduction-dropped root" in log and "drop-grads block1" in log
     assert all(u.phase is TrainingPhase.IDLE and u.groups[0].state is GatherState.SHARDED for u in [root, *blocks])
-    assert root.context.end_of_backward_queued is False
+    assert root.root.end_of_backward_queued is False
 
 
 def test_moves_outside_the_usual_step_are_listed_too(every_move_is_a_listed_transition):
@@ -378,12 +378,12 @@ def test_a_forward_from_another_thread_during_backward_is_refused_and_the_same_t
     forward(root, blocks)
     root.pre_backward()
     errors = []
-    thread = threading.Thread(target=lambda: _catch(errors, root.context.check_not_in_backward, "Model"))
+    thread = threading.Thread(target=lambda: _catch(errors, root.root.check_not_in_backward, "Model"))
     thread.start()
     thread.join()
     assert errors and "another thread" in errors[0]
-    root.context.check_not_in_backward("Model")  # the forward's own thread: the backward raised; start clean
-    assert root.context.end_of_backward_queued is False and root.phase is TrainingPhase.IDLE
+    root.root.check_not_in_backward("Model")  # the forward's own thread: the backward raised; start clean
+    assert root.root.end_of_backward_queued is False and root.phase is TrainingPhase.IDLE
 
 
 def _catch(errors, fn, *args):
@@ -404,10 +404,10 @@ def test_a_root_adopts_the_units_below_it_once_and_a_disagreement_undoes_it():
     root.root_class = Disagreeing
     with pytest.raises(RuntimeError, match="ranks differ"):
         root.lazy_init_as_root()
-    assert all(u.context is None for u in [root, *blocks])
+    assert all(u.root is None for u in [root, *blocks])
     root.root_class = FakeRoot
-    context = root.lazy_init_as_root()
-    assert context.units == [root, *blocks] and all(b.is_root is False for b in blocks)
+    root_state = root.lazy_init_as_root()
+    assert root_state.units == [root, *blocks] and all(b.is_root is False for b in blocks)
     assert distinct_units([root.module, blocks[0].module, blocks[0].module]) == [root, blocks[0]]
 
 
@@ -436,13 +436,13 @@ def test_a_unit_outside_the_roots_modules_joins_the_active_root_and_one_alone_is
     root, blocks = model(log)
     context = root.lazy_init_as_root()
     outside = FakeUnit(Module(), [FakeGroup("outside", log)])
-    FakeUnit.active.root = root
+    FakeUnit.active.unit = root
     try:
-        assert outside.ensure_context() is context and outside in context.units and outside.is_root is False
+        assert outside.ensure_root() is context and outside in context.units and outside.is_root is False
     finally:
-        FakeUnit.active.root = None
+        FakeUnit.active.unit = None
     alone = FakeUnit(Module(), [FakeGroup("alone", log)])
-    assert alone.ensure_context() is not context and alone.is_root
+    assert alone.ensure_root() is not context and alone.is_root
 
 
 def test_a_unit_that_joins_later_is_compared_before_its_first_gather_and_leaves_if_ranks_differ():
@@ -458,12 +458,12 @@ def test_a_unit_that_joins_later_is_compared_before_its_first_gather_and_leaves_
     root.root_class = Checking
     context = root.lazy_init_as_root()
     outside = FakeUnit(Module(), [FakeGroup("outside", log)])
-    FakeUnit.active.root = root
+    FakeUnit.active.unit = root
     try:
         with pytest.raises(RuntimeError, match="ranks differ"):
             outside.pre_forward(prefetch=False)
     finally:
-        FakeUnit.active.root = None
+        FakeUnit.active.unit = None
     assert checked == [["root", "block0", "block1"], ["outside"]]
-    assert outside not in context.units and outside.context is None and outside.phase is TrainingPhase.IDLE
+    assert outside not in context.units and outside.root is None and outside.phase is TrainingPhase.IDLE
     assert not any("outside" in entry for entry in log), log  # nothing gathered

@@ -18,7 +18,7 @@ from fullshard.plan import (
     plan_gather,
     plan_reduce,
 )
-from fullshard.plan.backends import (
+from fullshard.plan.exchange import (
     HCCL,
     MCCL,
     Collectives,
@@ -175,6 +175,6 @@ def test_emulations_are_not_exchange_overrides():
 
 
 def test_plan_imports_no_framework():
-    code = ("import sys, fullshard.plan, fullshard.plan.backends, fullshard.core.buffers, fullshard.core.trees; "
+    code = ("import sys, fullshard.plan, fullshard.plan.exchange, fullshard.core.buffers, fullshard.core.trees; "
             "bad = {'torch', 'mindspore'} & set(sys.modules); assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], check=True)

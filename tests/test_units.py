@@ -1,8 +1,13 @@
-"""fullshard.core.units: what both runtimes' units share, on plain Python objects (no framework)."""
+"""What both runtimes' units and modules share (``fullshard.core.unit``, ``core.module``, ``plan.group``'s names),
+on plain Python objects (no framework)."""
 from types import SimpleNamespace
 
-from fullshard.core.lifecycle import distinct_units
-from fullshard.core.units import STATE_ATTR, BucketNames, configure_groups, named_under, owners_of_params
+from fullshard.core.module import FSDPModuleMethods, owners_of_params
+from fullshard.core.unit import UNIT_ATTR as STATE_ATTR
+from fullshard.core.unit import distinct_units, named_under
+from fullshard.plan.exchange import TORCH, Collectives, Exchange
+from fullshard.plan.group import GroupPlan, ParamFacts
+from fullshard.plan.layout import ShardLayout
 
 
 class Node:
@@ -44,26 +49,29 @@ def test_distinct_units_once_each_in_order_and_configure_reaches_every_group():
                SimpleNamespace(**{STATE_ATTR: other})]
     units = distinct_units(modules)
     assert units == [shared, other]
-    configure_groups(units, {"reduce_grads": False, "flag": 1})
+
+    class Module(FSDPModuleMethods):
+        def _modules_in_reach(self, recurse):
+            return modules
+
+    Module()._configure(True, reduce_grads=False, flag=1)
     assert group.reduce_grads is False and group.flag == 1
 
 
-class Plan(BucketNames):
-    owner_kind = "cell"
-
-    def __init__(self, names, buckets):
-        self.params = [SimpleNamespace(fqn=n, local_fqn=n) for n in names]
-        self.buckets = [SimpleNamespace(members=m) for m in buckets]
-        self.module_name = ""
-        self._name_buckets()
+def plan_named(names, alone):
+    """Parameters that share a bucket but the ``alone`` ones (an extension gathers by itself)."""
+    params = [SimpleNamespace(fqn=n, local_fqn=n) for n in names]
+    facts = [ParamFacts(ShardLayout((4,), 0, 2), "float32", "float32", True, False, False, n in alone) for n in names]
+    return GroupPlan(params, facts, "", "cell", None, 1 << 20, Collectives(Exchange.PAIRWISE, Exchange.PAIRWISE), TORCH)
 
 
 def test_bucket_names_follow_the_root_paths():
-    plan = Plan(["a.weight", "a.bias", "b.weight", "b.bias", "c.weight"], [(0, 1, 2, 3, 4), (2,)])
+    plan = plan_named(["a.weight", "a.bias", "b.weight", "b.bias", "c.weight"], {"b.weight"})
+    assert [b.members for b in plan.buckets] == [(0, 1, 3, 4), (2,)]
     assert plan.members(1) == [plan.params[2]]
     plan.rename("layers.3")
     assert plan.params[0].fqn == "layers.3.a.weight"
-    assert plan.labels[0] == "[layers.3.a.weight, layers.3.a.bias, layers.3.b.weight and 2 more] of cell 'layers.3'"
+    assert plan.labels[0] == "[layers.3.a.weight, layers.3.a.bias, layers.3.b.bias and 1 more] of cell 'layers.3'"
     assert plan.labels[1] == "[layers.3.b.weight] of cell 'layers.3'"
     plan.rename("")  # the root itself: names stay
     assert plan.module_name == "layers.3"

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Optional, Sequence
 
-from fullshard.plan.backends import Collectives, carried_traffic
+from fullshard.plan.exchange import Collectives, carried_traffic
 from fullshard.plan.strategy import Strategy, bytes_sent_per_rank, per_rank_theory
 
 

@@ -206,7 +206,7 @@ Values = Callable[[Any], dict[str, Any]]
 
 def describe_model(units: Sequence[Any], unit_values: Values, group_values: Values, param_values: Values
                    ) -> list[Row]:
-    """The rows of ``units`` (``fullshard.core.lifecycle`` units), in an order where the first
+    """The rows of ``units`` (``fullshard.core.unit`` units), in an order where the first
     difference is the cause: a unit's settings, then each group's, then its parameters' layouts (a different
     strategy or fusion changes what follows it).
 

@@ -19,6 +19,7 @@ from typing import Any, Optional
 from mindspore import nn
 
 from fullshard.core.traffic import reset_traffic, traffic_bytes
+from fullshard.core.unit import distinct_units
 from fullshard.mindspore.buffers import comm_bytes
 from fullshard.mindspore.policies import dtype_bytes
 from fullshard.core.accounting import report_theory
@@ -26,13 +27,7 @@ from fullshard.plan.strategy import Strategy
 
 
 def _states(cell: nn.Cell) -> list:
-    seen, states = set(), []
-    for _, sub in cell.cells_and_names():
-        state = getattr(sub, "_fullshard_state", None)
-        if state is not None and id(state) not in seen:
-            seen.add(id(state))
-            states.append(state)
-    return states
+    return distinct_units(sub for _, sub in cell.cells_and_names())
 
 
 def _nbytes(tensors) -> int:
@@ -60,7 +55,7 @@ def memory_report(cell: nn.Cell, optimizer: Optional[nn.Optimizer] = None) -> di
         "optim": _nbytes(optim_state),
         # unsharded gradients (autograd's) held until their reduction, at most, in the last backward: a whole
         # model's for ZeRO-1, which reduces at the end of backward as DP does; a unit's for the others
-        "grads_in_backward": max((s.context.peak_grads_in_backward for s in states if s.context is not None),
+        "grads_in_backward": max((s.root.peak_grads_in_backward for s in states if s.root is not None),
                                  default=0),
         "comm_live": meter["live"],  # all owned storage: unsharded parameters, buffers, main gradients
         "comm_peak": meter["peak"],
@@ -79,7 +74,7 @@ def memory_report(cell: nn.Cell, optimizer: Optional[nn.Optimizer] = None) -> di
             [sum(p.layout.numel for g in s.groups for p in g.params) for s in states],
             sum(p.layout.numel for g in root.groups for p in g.params),
             param_bytes=dtype_bytes(sample.stored_dtype), compute_bytes=dtype_bytes(sample.compute_dtype),
-            reduce_bytes=dtype_bytes(group.plan.wire_dtype(group.plan.reduce_dtype(sample))),
+            reduce_bytes=dtype_bytes(group.wire_dtype(sample)),
             adam=isinstance(optimizer, (nn.Adam, nn.AdamWeightDecay)),
             collectives=group.plan.collectives,
             # HSDP: the reduced chunks are summed across the replicas as they came out of the shard group's

@@ -8,10 +8,10 @@ from typing import Any, Callable, Iterable, Optional, Union
 
 from mindspore import Parameter, nn
 
-from fullshard.core.arguments import (
-    become_fsdp_module, check_modules, check_not_managed, check_reshard_after_forward, parse_strategy, shard_dim,
+from fullshard.core.module import (
+    become_fsdp_module, check_modules, check_not_managed, check_reshard_after_forward, owners_of_params,
+    parse_strategy, shard_dim,
 )
-from fullshard.core.units import owners_of_params
 from fullshard.mindspore.autograd import in_pynative_mode
 from fullshard.mindspore.collectives import Comm
 from fullshard.mindspore.group import ParamGroup
@@ -21,7 +21,7 @@ from fullshard.mindspore.param import MANAGED_ATTR, ShardedParam
 from fullshard.mindspore.policies import check_mp_policy, check_offload_policy
 from fullshard.mindspore.unit import ShardedUnit
 from fullshard.plan import DEFAULT_FUSE_BELOW_NUMEL, Exchange, ShardLayout
-from fullshard.plan.backends import Collectives, choose_collectives
+from fullshard.plan.exchange import Collectives, choose_collectives
 from fullshard.plan.strategy import AfterBackward, Strategy, lifecycle
 
 def _owners_of_params(cells: list[nn.Cell]) -> tuple[dict[int, list[tuple[nn.Cell, str, str]]], dict[int, Parameter]]:
@@ -31,7 +31,7 @@ def _owners_of_params(cells: list[nn.Cell]) -> tuple[dict[int, list[tuple[nn.Cel
 
 def _display_name(cell: nn.Cell) -> str:
     """The cell's own class name, also once fully_shard swapped in FSDP<Class>(FSDPModule, Class)."""
-    return type(cell).__mro__[2].__name__ if isinstance(cell, FSDPModule) else type(cell).__name__
+    return type(cell).__bases__[1].__name__ if isinstance(cell, FSDPModule) else type(cell).__name__
 
 
 def _all_params(cells: list[nn.Cell]) -> dict[int, Parameter]:
@@ -212,4 +212,4 @@ def _apply(cells: list[nn.Cell], args: _Arguments, plans: list[tuple]) -> None:
         param.install()
     unit = ShardedUnit(cells, groups, args.mp, args.reshard_after_forward, args.strategy)
     for c in cells:
-        become_fsdp_module(c, FSDPModule, FSDP_CLASSES, object.__setattr__, unit)
+        become_fsdp_module(c, FSDPModule, FSDP_CLASSES, unit, object.__setattr__)

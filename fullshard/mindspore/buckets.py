@@ -17,14 +17,14 @@ from fullshard.mindspore import buffers
 from fullshard.mindspore import collectives
 from fullshard.mindspore.buffers import Borrowed, Kind, Owned
 from fullshard.mindspore.collectives import Comm
-from fullshard.mindspore.group_plan import GroupPlan
 from fullshard.mindspore.param import ShardedParam
 from fullshard.mindspore.policies import dtype_name, dtype_named
 from fullshard.plan import (
     MINDSPORE_RUNTIME, BucketLayout, Exchange, Ownership, ReduceFacts, Unsharded, plan_buckets, plan_reduce,
 )
+from fullshard.plan.group import GroupPlan
 from fullshard.plan.layout import fused_bucket
-from fullshard.plan.backends import Backend, carrier_dtype, is_bit_cast
+from fullshard.plan.exchange import Backend, carrier_dtype, is_bit_cast
 
 
 def _padded(x: Optional[Tensor], param: ShardedParam, length: int, dtype: Any) -> Tensor:
@@ -99,6 +99,7 @@ def gather_bucket(plan: GroupPlan, index: int, comm: Comm) -> list[Owned]:
     label = plan.labels[index]
     dtype = members[0].compute_dtype
     carrier, bit_cast = plan.gather_carrier(index)
+    carrier = dtype_named(carrier)
     whole = gather.unsharded is Unsharded.OUTPUT
     shards = [p.sharded for p in members]
     lent = [buffers.borrow(p.sharded, f"sharded parameter '{p.fqn}'") for p in members]

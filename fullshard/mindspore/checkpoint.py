@@ -35,6 +35,7 @@ from fullshard.core import manifest, shardfiles
 from fullshard.core.atomic import save_together
 from fullshard.core.shardfiles import MODEL, OPTIM, Piece, ShardedCheckpoint, key
 from fullshard.core.tensorfile import Array
+from fullshard.core.unit import distinct_units
 from fullshard.core.untrusted import CheckpointError
 from fullshard.mindspore.autograd import no_grad
 from fullshard.mindspore.buckets import gather_full
@@ -170,13 +171,8 @@ def load_checkpoint(cell: nn.Cell, path: Union[str, Path], optimizer: Optional[n
 
 def _forget_unsharded_copies(cell: nn.Cell) -> None:
     """Unsharded copies kept between steps (ZeRO-1/2) now hold old values: gather again before use."""
-    seen = set()
-    for _, sub in cell.cells_and_names():
-        state = getattr(sub, "_fullshard_state", None)
-        if state is None or id(state) in seen:
-            continue
-        seen.add(id(state))
-        for group in state.groups:
+    for unit in distinct_units(sub for _, sub in cell.cells_and_names()):
+        for group in unit.groups:
             group.mark_stale()
 
 

@@ -1,4 +1,4 @@
-"""All-gather, reduce-scatter and all-reduce over a MindSpore group, the way ``fullshard.plan.backends`` chose.
+"""All-gather, reduce-scatter and all-reduce over a MindSpore group, the way ``fullshard.plan.exchange`` chose.
 
 MindSpore's collectives are out of place: each returns new storage and only
 reads its input, so the caller may pass storage it merely borrows. On CPU

@@ -1,7 +1,7 @@
 """One communication group on MindSpore: the parameters of one ``fully_shard`` call (sharded or replicated),
 their storage, collectives and gradients.
 
-The lifecycle (``fullshard.core.lifecycle.Group``) decides when to gather, free, keep and reduce; this class
+The lifecycle (``fullshard.core.group.Group``) decides when to gather, free, keep and reduce; this class
 supplies MindSpore's operations for it:
 
 * gathering: each bucket's unsharded tensors are storage of fullshard's own, made (empty) with the group and
@@ -22,17 +22,17 @@ from typing import Any, Callable, Optional, Sequence
 
 from mindspore import Tensor, nn, ops
 
-from fullshard.core.lifecycle import Group
+from fullshard.core.group import Group
 from fullshard.mindspore import buffers, collectives
 from fullshard.mindspore.autograd import no_grad
 from fullshard.mindspore.buckets import Reduction, divided, gather_bucket, member_chunk, reduce_to_chunk
 from fullshard.mindspore.buffers import Kind, Owned
 from fullshard.mindspore.collectives import Comm
-from fullshard.mindspore.group_plan import GroupPlan
 from fullshard.mindspore.param import ShardedParam
-from fullshard.mindspore.policies import dtype_name
-from fullshard.plan import Unsharded
-from fullshard.plan.backends import Backend, Collectives
+from fullshard.mindspore.policies import dtype_name, dtype_named
+from fullshard.plan import MINDSPORE_RUNTIME, Unsharded
+from fullshard.plan.exchange import Backend, Collectives
+from fullshard.plan.group import GroupPlan
 from fullshard.plan.layout import FUSE_REDUCTIONS_BELOW_BYTES
 from fullshard.plan.strategy import AfterBackward
 
@@ -97,7 +97,9 @@ class ParamGroup(Group):
         # ``all_reduce_grads`` is off: partial sums then wait, owned, for a backward with it on.
         self.replica = replica
         self.replicated = replicated  # no_shard / replicate_params: nothing to gather, gradients all-reduced
-        self.plan = GroupPlan(params, reduce_dtype, module_name, fuse_below_numel, collectives_, backend)
+        self.plan = GroupPlan(params, [p.facts for p in params], module_name, "cell",
+                              dtype_name(reduce_dtype) if reduce_dtype is not None else None, fuse_below_numel,
+                              collectives_, backend, MINDSPORE_RUNTIME)
         self.params = params
         # How a node takes the shards and hands out the tensors and their gradients: bucket by bucket.
         self.in_bucket_order = [params[i] for bucket in self.plan.buckets for i in bucket.members]
@@ -107,6 +109,9 @@ class ParamGroup(Group):
         # The outputs of the node that carries this group in this pass: what the cells show, so that backward
         # reaches that node's bprop (None: no recorded forward carried it since the pass began).
         self.carried_outputs: Optional[tuple[Tensor, ...]] = None
+        # Gradients were returned since the last gather, so an optimizer may have stepped on them: MindSpore keeps
+        # no version counter that would show the write, so a kept copy is gathered again (_shards_changed).
+        self.returned_grads_since_gather = False
         self.divide_factor: Optional[float] = None
 
     @property
@@ -129,7 +134,7 @@ class ParamGroup(Group):
         """Whether any parameter wants a gradient now (``requires_grad`` may change after ``fully_shard``)."""
         return any(p.requires_grad for p in self.params)
 
-    # ------------------------------------------------------------------ gathering (core.lifecycle.Group)
+    # ------------------------------------------------------------------ gathering (core.group.Group)
     def _empty(self, index: int) -> Gathered:
         """A bucket's tensors before any gather: fullshard's storage, reclaimed (replicas: views of themselves)."""
         if self.replicated:
@@ -147,6 +152,7 @@ class ParamGroup(Group):
 
     def _start_gather(self) -> None:
         """Gather every bucket into the storage of the tensors handed out before."""
+        self.returned_grads_since_gather = False
         with no_grad():
             for index, kept in enumerate(self.gathered):
                 if self.replicated:
@@ -174,7 +180,8 @@ class ParamGroup(Group):
         return Gathered(tuple(tensors), storage)
 
     def _finish_gather(self) -> None:
-        """MindSpore's collectives on CPU complete when issued: nothing to wait for."""
+        """MindSpore's collectives on CPU complete when issued: nothing to wait for; the cells show the tensors."""
+        self.show()
 
     def show(self) -> None:
         """The cells' attributes show the outputs of the node that carries this group in this pass, or else
@@ -201,14 +208,12 @@ class ParamGroup(Group):
         reaches the same node, and its gradient is reduced with the rest."""
 
     def _shards_changed(self) -> bool:
-        # MindSpore keeps no version counter an optimizer step moves; the lifecycle's rule gathers afresh at
-        # every step but those that accumulate gradients without sync.
-        return False
+        return self.returned_grads_since_gather
 
     def _abandon_gathers(self) -> None:
         self._free(keep_post_forward_chunks=False)
 
-    # ------------------------------------------------------------------ gradients (core.lifecycle.Group)
+    # ------------------------------------------------------------------ gradients (core.group.Group)
     def has_pending_grads(self) -> bool:
         """Gradients kept for a later synced backward (accumulators, partial sums)."""
         return any(p.grad_accumulator is not None or p.partial is not None for p in self.params)
@@ -232,10 +237,17 @@ class ParamGroup(Group):
         for param in self.params:
             param.drop_grads()
 
+    def reduce_dtype(self, param: ShardedParam) -> Any:
+        """What ``param``'s gradients are summed in."""
+        return dtype_named(self.plan.reduce_dtype(self.params.index(param)))
+
+    def wire_dtype(self, param: ShardedParam) -> Any:
+        """What ``param``'s gradients travel in to be summed (the same on every rank)."""
+        return dtype_named(self.plan.wire_dtype(self.params.index(param), self.replicated))
+
     def reduction(self, param: ShardedParam) -> tuple:
         """What a gradient of ``param`` is reduced with: gradients that share it share one collective."""
-        reduce_dtype = self.plan.reduce_dtype(param)
-        how = Reduction(self.comm, self.plan.collectives.reduce, self.plan.wire_dtype(reduce_dtype), reduce_dtype,
+        how = Reduction(self.comm, self.plan.collectives.reduce, self.wire_dtype(param), self.reduce_dtype(param),
                         self.replicated)
         return how, self.divisor, self.replica, self.all_reduce_grads
 
@@ -267,9 +279,10 @@ def reduce_in_bprop(groups: list[ParamGroup], douts: tuple[Tensor, ...]) -> tupl
                 continue
             if not group.reduce_grads:  # sync off: sum for the backward that syncs
                 for param, grad in zip(members, grads):
-                    param.accumulate_grad(grad, group.plan.wire_dtype(group.plan.reduce_dtype(param)))
+                    param.accumulate_grad(grad, group.wire_dtype(param))
                 continue
             requests.extend(_Request(group, p, p.take_grad(g)) for p, g in zip(members, grads))
+            group.returned_grads_since_gather = True
     _reduce_requests(requests)
     reduced = {id(r.param): r.result for r in requests}
     return tuple(

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from math import prod
 from typing import Optional, Sequence
 
-from fullshard.plan.backends import Backend, backend_named
+from fullshard.plan.exchange import Backend, backend_named
 
 # The backend each device type's collectives run on.
 _BACKEND_OF_DEVICE = {"cpu": "mccl", "npu": "hccl", "ascend": "hccl"}

@@ -20,7 +20,9 @@ from mindspore import Parameter, Tensor, nn, ops
 from fullshard.mindspore import buffers
 from fullshard.mindspore.autograd import no_grad
 from fullshard.mindspore.buffers import Kind, Owned
+from fullshard.mindspore.policies import dtype_name
 from fullshard.plan import ShardLayout
+from fullshard.plan.group import ParamFacts
 
 # Set on the sharded Parameter: the ShardedParam behind it (clip_grad_norm, full_state_dict, memory reports).
 SHARDED_ATTR = "_fullshard_param"
@@ -87,6 +89,12 @@ class ShardedParam:
     def converts_for_compute(self) -> bool:
         """The shard must be cast before it can be gathered for compute."""
         return self.compute_dtype != self.stored_dtype
+
+    @property
+    def facts(self) -> ParamFacts:
+        """What the plan knows of this parameter (``fullshard.plan.group``)."""
+        return ParamFacts(self.layout, dtype_name(self.stored_dtype), dtype_name(self.compute_dtype),
+                          self.requires_grad, self.converts_for_compute, replica_needs_copy=self.converts_for_compute)
 
     # ------------------------------------------------------------------ what the cells show
     def show(self, tensor: Tensor) -> None:

@@ -1,4 +1,4 @@
-"""One unit on MindSpore: the Cell hooks that drive its lifecycle (``fullshard.core.lifecycle``), and its root's.
+"""One unit on MindSpore: the Cell hooks that drive its lifecycle (``fullshard.core.unit``), and its root's.
 
 Where MindSpore (PyNative, inside ``value_and_grad``) tells a unit where it is in a step:
 
@@ -23,9 +23,8 @@ from typing import Any, Iterator, Optional
 from mindspore import Tensor, nn
 
 from fullshard.core.agreement import check_ranks_agree, describe_model
-from fullshard.core.lifecycle import Root, TrainingPhase, Unit
+from fullshard.core.unit import Root, TrainingPhase, Unit, named_under
 from fullshard.core.trees import map_leaves
-from fullshard.core.units import named_under
 from fullshard.mindspore.autograd import drop_failed_recording, queue_after_backward, recording
 from fullshard.mindspore.collectives import world_ranks
 from fullshard.mindspore.group import ParamGroup, UnitGather, carried_by
@@ -124,9 +123,9 @@ class ShardedUnit(Unit):
 
     # ------------------------------------------------------------------ forward
     def _pre_forward(self, cell: nn.Cell, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        self.ensure_context()
+        self.ensure_root()
         if self.is_root:
-            self.context.check_not_in_backward(type(cell).__name__)  # a backward that raised: start clean
+            self.root.check_not_in_backward(type(cell).__name__)  # a backward that raised: start clean
             self.enter_root_forward()
         if self.phase is not TrainingPhase.FORWARD:  # the first cell of this unit in this pass
             recorded = recording()
@@ -148,7 +147,7 @@ class ShardedUnit(Unit):
             return  # the root's gather carries it, or this unit's carried an earlier use in this pass
         carrying = [self]
         if self.is_root:
-            carrying += [unit for unit in self.context.units if unit.reduces_with_root]
+            carrying += [unit for unit in self.root.units if unit.reduces_with_root]
         carrying = [unit for unit in carrying if any(g.requires_grad for g in unit.groups)]
         if not carrying:
             return
@@ -172,7 +171,7 @@ class ShardedUnit(Unit):
     def _abandon_forward(self) -> None:
         """The root's forward raised: its step is abandoned (every unit shows its shards, nothing is kept for a
         backward that will not come), and so is what MindSpore recorded of it."""
-        if self.context is None or self is not getattr(self.active, "root", None):
+        if self.root is None or self is not getattr(self.active, "unit", None):
             return
         recorded = recording()
         self.reset_step()
@@ -181,14 +180,14 @@ class ShardedUnit(Unit):
 
     # ------------------------------------------------------------------ backward
     def _pre_backward(self, cell: nn.Cell, grad_output: Any) -> None:
-        if self.context is not None:
+        if self.root is not None:
             self.pre_backward()
         return None
 
     def _reduced(self, units: list["ShardedUnit"], held_bytes: int) -> None:
         """The gather's bprop reduced these units' gradients: their backward for that use is done."""
-        if self.context is not None:
-            self.context.peak_grads_in_backward = max(self.context.peak_grads_in_backward, held_bytes)
+        if self.root is not None:
+            self.root.peak_grads_in_backward = max(self.root.peak_grads_in_backward, held_bytes)
         for unit in units:
             unit.post_backward()
 

@@ -18,6 +18,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
+from fullshard.core.unit import distinct_units
 from fullshard.core.accounting import report_theory
 from fullshard.core.traffic import reset_traffic, traffic_bytes
 from fullshard.torch.buffers import comm_bytes
@@ -43,13 +44,8 @@ def _nbytes(tensors) -> int:
     return total
 
 
-def _states(model: nn.Module):
-    seen = set()
-    for module in model.modules():
-        state = getattr(module, "_fullshard_state", None)
-        if state is not None and id(state) not in seen:
-            seen.add(id(state))
-            yield state
+def _states(model: nn.Module) -> list:
+    return distinct_units(model.modules())
 
 
 def memory_report(model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None) -> dict:
@@ -88,8 +84,7 @@ def memory_report(model: nn.Module, optimizer: Optional[torch.optim.Optimizer] =
         group = states[0].group
         sample = group.params[0]
         # what gradients travel in: the reduce dtype, or narrower on the pairwise exchange
-        wire = group.plan.gradient_wire_dtype(sample.compute_dtype, group.plan.reduce_dtype(sample),
-                                              group.replicated, group.accumulated_without_sync)
+        wire = getattr(torch, group.plan.wire_dtype(0, group.replicated, group.accumulated_without_sync))
         report["strategy"] = strategy.value
         theory = report_theory(
             strategy, group.world, [sum(p.layout.numel for p in s.group.params) for s in states if s.group is not None],
@@ -99,7 +94,7 @@ def memory_report(model: nn.Module, optimizer: Optional[torch.optim.Optimizer] =
             param_bytes=_element_size(sample.stored_dtype), compute_bytes=_element_size(sample.compute_dtype),
             reduce_bytes=_element_size(wire), adam=isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)),
             # HSDP: the reduced shards are summed across the replicas in the reduce dtype
-            replicas=group.replicas, replica_reduce_bytes=_element_size(group.plan.reduce_dtype(sample)),
+            replicas=group.replicas, replica_reduce_bytes=_element_size(group.reduce_dtype(0)),
         )
         report["theory"] = {"memory": theory["memory"], "traffic": theory["traffic"]}
     return report

@@ -11,11 +11,11 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
 
-from fullshard.core.arguments import (
-    become_fsdp_module, check_modules, check_not_managed, check_reshard_after_forward, parse_strategy, shard_dim,
+from fullshard.core.module import (
+    become_fsdp_module, check_modules, check_not_managed, check_reshard_after_forward, owners_of_params,
+    parse_strategy, shard_dim,
 )
-from fullshard.core.lifecycle import STATE_ATTR
-from fullshard.core.units import owners_of_params
+from fullshard.core.unit import UNIT_ATTR
 from fullshard.plan import ShardLayout
 from fullshard.plan.strategy import AfterBackward, Strategy, lifecycle
 from fullshard.torch.policies import (
@@ -242,7 +242,7 @@ def _apply(modules: list[nn.Module], args: _Arguments, owners: dict, plans: list
     group = _group(sharded, args) if sharded else None
     unit = ShardedUnit(modules, group, args.mp, args.reshard_after_forward, args.strategy)
     for m in modules:
-        become_fsdp_module(m, FSDPModule, FSDP_CLASSES, unit=unit)
+        become_fsdp_module(m, FSDPModule, FSDP_CLASSES, unit)
         fsdp2_views.expose(m, unit)
 
 
@@ -262,7 +262,7 @@ def _group(sharded: list[ShardedParam], args: _Arguments) -> ParamGroup:
 def _state(module: nn.Module) -> Optional[ShardedUnit]:
     """``fully_shard.state(module)``: fullshard's state of a sharded module (None for any other), as FSDP2's
     ``fully_shard.state`` gives its own."""
-    return getattr(module, STATE_ATTR, None)
+    return getattr(module, UNIT_ATTR, None)
 
 
 fully_shard.state = _state

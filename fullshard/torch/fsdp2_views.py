@@ -39,11 +39,11 @@ class _StateView:
 
     @property
     def _state_ctx(self) -> SimpleNamespace:
-        states = self._state.context.units if self._state.context is not None else [self._state]
+        states = self._state.root.units if self._state.root is not None else [self._state]
         return SimpleNamespace(all_states=[_StateView(state) for state in states])
 
     def _root_post_backward_final_callback(self) -> None:
-        (self._state.context or self._state.lazy_init_as_root()).complete_backward()
+        (self._state.root or self._state.lazy_init_as_root()).complete_backward()
 
 
 def expose(module: nn.Module, state: ShardedUnit) -> None:

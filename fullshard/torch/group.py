@@ -1,7 +1,7 @@
 """One communication group on torch: the parameters of one ``fully_shard`` call, their storage and collectives.
 
-The lifecycle (``fullshard.core.lifecycle.Group``) decides when to gather, free, keep and reduce; this class
-supplies torch's operations for it, carrying out the group's plan (``group_plan.py``):
+The lifecycle (``fullshard.core.group.Group``) decides when to gather, free, keep and reduce; this class
+supplies torch's operations for it, carrying out the group's plan (``fullshard.plan.group``):
 
 * gathering: every bucket's all-gather into owned storage (or from the chunks a partial reshard kept), the
   unsharded parameters registered on the modules once complete, freed or kept on reshard;
@@ -14,22 +14,25 @@ Which buffers are owned comes from the plan, never from the tensors.
 from __future__ import annotations
 
 import functools
+import os
 import weakref
 from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
 
-from fullshard.core.lifecycle import Group
+from fullshard.core.group import Group
 from fullshard.plan import Accumulation, ReduceFacts, Unsharded, plan_reduce
+from fullshard.plan.exchange import EXCHANGE_ENV, TORCH, Collectives, Exchange, choose_exchange
+from fullshard.plan.group import GroupPlan, ParamFacts
+from fullshard.plan.layout import DEFAULT_FUSE_BELOW_NUMEL
 from fullshard.plan.strategy import AfterBackward
 from fullshard.torch import buffers, checks
 from fullshard.torch.buckets import PendingGather, all_reduce_in_place, gather_bucket, pack_rank_chunks, reduce_bucket
 from fullshard.torch.buffers import Kind, Owned
 from fullshard.torch.errors import NotMaterializedError
 from fullshard.torch.extensions import ExtensionState, gather_extended
-from fullshard.torch.group_plan import GroupPlan, dtype_name
-from fullshard.torch.param import ShardedParam, is_plain
+from fullshard.torch.param import ShardedParam, dtype_name, is_plain
 
 
 class ParamGroup(Group):
@@ -100,12 +103,22 @@ class ParamGroup(Group):
         for handle in getattr(self, "_hooks", ()):
             handle.remove()
         self._hooks: list = []
-        self.plan = GroupPlan(self.params, self.process_group, self.world, self._reduce_dtype, module_name,
-                              custom_all_gather=self.custom_all_gather, custom_reduce_scatter=self.custom_reduce_scatter)
+        # The group's own exchange (gathers for a partial reshard and extensions use it, whatever the user's).
+        self.exchange = choose_exchange(dist.get_backend(self.process_group), self.params[0].device.type,
+                                        self.world, os.environ.get(EXCHANGE_ENV))
+        collectives = Collectives(Exchange.CUSTOM if self.custom_all_gather is not None else self.exchange,
+                                  Exchange.CUSTOM if self.custom_reduce_scatter is not None else self.exchange)
+        reduce_dtype = dtype_name(self._reduce_dtype) if self._reduce_dtype is not None else None
+        self.plan = GroupPlan(self.params, [p.facts for p in self.params], module_name, "module", reduce_dtype,
+                              DEFAULT_FUSE_BELOW_NUMEL, collectives, TORCH)
         # Outputs of lone all-gathers: the unsharded parameter is a view of them, so they live as long as the
         # plan and are reclaimed on reshard.
         self._view_outputs: list[Optional[Owned]] = [None] * len(self.plan.buckets)
         self._extensions: dict[int, ExtensionState] = {}  # bucket index -> what an extended parameter keeps
+
+    def reduce_dtype(self, index: int) -> torch.dtype:
+        """What parameter ``index``'s gradients are summed in."""
+        return getattr(torch, self.plan.reduce_dtype(index))
 
     def replan(self) -> None:
         self.reshard()
@@ -140,7 +153,7 @@ class ParamGroup(Group):
                 "(e.g. fullshard.torch.materialize.materialize(model)) before the first forward"
             )
 
-    # ------------------------------------------------------------------ gathering (core.lifecycle.Group)
+    # ------------------------------------------------------------------ gathering (core.group.Group)
     # Under torch.inference_mode the buffers gathered into would become inference tensors, which keep no
     # version counter and cannot be reused by a later training step: fullshard's own buffers never are.
     @torch.inference_mode(False)
@@ -160,16 +173,16 @@ class ParamGroup(Group):
                 state = self._extensions.setdefault(index, ExtensionState())
                 self._pending_gathers.append(gather_extended(
                     members[0], state, self.process_group, self.shard_mesh, members[0].owners[0][0], self.mp_policy,
-                    plan.exchange, plan.labels[index],
+                    self.exchange, plan.labels[index],
                 ))
                 continue
             output = self._gather_output(index, members)
             if chunks:
                 pending = gather_bucket(bucket, gather, members, output, self.post_forward_group, plan.labels[index],
-                                        plan.exchange, plan.gather_tags[index], kept=chunks[index])
+                                        self.exchange, plan.gather_tags[index], kept=chunks[index])
             else:
                 pending = gather_bucket(bucket, gather, members, output, self.process_group, plan.labels[index],
-                                        plan.gather_exchange, plan.gather_tags[index], comm=plan.custom_all_gather)
+                                        plan.collectives.gather, plan.gather_tags[index], comm=self.custom_all_gather)
             self._pending_gathers.append(pending)
 
     def _unshard_replicated(self) -> None:
@@ -223,7 +236,7 @@ class ParamGroup(Group):
                 param.unsharded_storage.regrow()
         what = f"all-gather output of {plan.labels[index]}"
         if gather.output_pooled:
-            return buffers.allocate_pooled(plan.custom_all_gather, bucket.total_numel, dtype, device, what, shards)
+            return buffers.allocate_pooled(self.custom_all_gather, bucket.total_numel, dtype, device, what, shards)
         return buffers.allocate(bucket.total_numel, dtype, device, what, sources=shards)
 
     def _make_unsharded(self, param: ShardedParam, data: torch.Tensor) -> None:
@@ -333,7 +346,7 @@ class ParamGroup(Group):
             if param.unsharded_storage is not None:
                 param.unsharded_storage.drop()
 
-    # ------------------------------------------------------------------ gradients (core.lifecycle.Group)
+    # ------------------------------------------------------------------ gradients (core.group.Group)
     def _on_grad_accumulated(self, index: int) -> None:
         """Autograd summed a gradient into an unsharded parameter."""
         param = self.params[index]
@@ -341,7 +354,7 @@ class ParamGroup(Group):
             checks.inspect(param.fqn, param.local_grad(param.unsharded.grad))
         if not self.reduce_grads and self.plan.accumulations[index] is Accumulation.OWNED:
             # Accumulating without sync: sum in the reduce dtype (e.g. fp32 for bf16 compute).
-            param.accumulate_grad_in(self.plan.reduce_dtype(param), f"gradient accumulator of '{param.fqn}'")
+            param.accumulate_grad_in(self.reduce_dtype(index), f"gradient accumulator of '{param.fqn}'")
         if self.on_grad is not None:
             self.on_grad()
 
@@ -373,20 +386,20 @@ class ParamGroup(Group):
         if all(g is None for g in grads):
             return None
         present = [g for g in grads if g is not None]
-        reduce_dtype = plan.reduce_dtype(members[0])
-        wire = plan.gradient_wire_dtype(members[0].compute_dtype, reduce_dtype, self.replicated,
-                                        self.accumulated_without_sync)
+        first = plan.buckets[index].members[0]
+        reduce_dtype = self.reduce_dtype(first)
+        wire = getattr(torch, plan.wire_dtype(first, self.replicated, self.accumulated_without_sync))
         reduction_plan = plan_reduce(plan.buckets[index], plan.layouts, ReduceFacts(
             grad_dtype_is_wire_dtype=all(g.dtype == wire for g in present),
             # only a plain, contiguous gradient is a collective's buffer as it is (a subclass is packed)
             grads_contiguous=all(is_plain(g) and g.is_contiguous() for g in present),
             reduce_dtype_is_param_dtype=reduce_dtype == members[0].stored_dtype,
-            all_reduce=self.replicated, offloaded=members[0].offloaded, exchange=plan.reduce_exchange,
+            all_reduce=self.replicated, offloaded=members[0].offloaded, exchange=plan.collectives.reduce,
         ))
         reduction = reduce_bucket(
             plan.buckets[index], reduction_plan, members, grads, reduce_dtype, wire, self.process_group, divide,
-            plan.labels[index], plan.reduce_exchange, plan.reduce_tags[index], all_reduce=self.replicated,
-            comm=plan.custom_reduce_scatter,
+            plan.labels[index], plan.collectives.reduce, plan.reduce_tags[index], all_reduce=self.replicated,
+            comm=self.custom_reduce_scatter,
         )
         reduction.hook, reduction.hook_stream = self.all_reduce_hook, self.all_reduce_hook_stream
         if self.replicate_group is not None:

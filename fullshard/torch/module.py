@@ -1,9 +1,9 @@
-"""``FSDPModule``: the methods every module ``fully_shard`` was applied to gains (FSDP2-compatible)."""
+"""``FSDPModule`` on torch: FSDP2's class, with the methods every runtime shares (``fullshard.core.module``) and
+what torch has alone (gradient hooks on streams, custom collectives, post-optimizer events, ``_apply``)."""
 from __future__ import annotations
 
-import contextlib
 import warnings
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Iterable
 
 import torch
 import torch.nn as nn
@@ -12,9 +12,9 @@ from torch.distributed import fsdp as torch_fsdp
 # torch's own classes, taken once at import (see policies.py for why not at call time).
 _TORCH_FSDP_MODULE = torch_fsdp.FSDPModule
 
-from fullshard.core.lifecycle import distinct_units
-from fullshard.core.units import configure_groups
-from fullshard.plan.strategy import AfterBackward
+from fullshard.core import module as core_module
+from fullshard.core.module import FSDPModuleMethods
+from fullshard.core.unit import UNIT_ATTR
 from fullshard.torch.errors import DeepcopyError
 from fullshard.torch.unit import ShardedUnit
 
@@ -23,56 +23,27 @@ from fullshard.torch.unit import ShardedUnit
 FSDP_CLASSES: dict[type, type] = {}
 
 
-class UnshardHandle(torch_fsdp.UnshardHandle):
-    """Returned by ``unshard(async_op=True)``: ``wait()`` completes the all-gather."""
-
-    def __init__(self, state: Optional[ShardedUnit]) -> None:
-        self._state = state
-
-    def wait(self) -> None:
-        if self._state is not None and self._state.group is not None:
-            self._state.group.wait()  # the modules show the unsharded parameters now
-        self._state = None
+class UnshardHandle(core_module.UnshardHandle, torch_fsdp.UnshardHandle):
+    """Returned by ``unshard(async_op=True)``: ``wait()`` completes the all-gather (torch's type, for
+    ``isinstance``)."""
 
 
-class FSDPModule(torch_fsdp.FSDPModule):
+class FSDPModule(FSDPModuleMethods, torch_fsdp.FSDPModule):
     """Mixin added to every module ``fully_shard`` was applied to (a dynamic subclass).
 
-    It subclasses PyTorch's ``FSDPModule`` so that code finding FSDP modules
-    with ``isinstance`` (torchtitan, accelerate, Lightning, torch's pipeline
-    schedules) finds these too; every public method is defined here, none is
-    inherited. PyTorch's ``__new__`` is: constructing the class again (slicing
-    an ``nn.Sequential``) gives the original class, as in FSDP2.
+    It subclasses PyTorch's ``FSDPModule`` so that code finding FSDP modules with ``isinstance`` (torchtitan,
+    accelerate, Lightning, torch's pipeline schedules) finds these too; every public method is defined here
+    or in ``FSDPModuleMethods``, none is inherited from torch's. PyTorch's ``__new__`` is: constructing the class
+    again (slicing an ``nn.Sequential``) gives the original class, as in FSDP2.
     """
 
     # Where PyTorch's __new__ finds the original class in the MRO:
-    # [FSDP<Orig>, this class, torch's FSDPModule, Orig, ...]
-    _orig_cls_mro_index = 3
+    # [FSDP<Orig>, this class, FSDPModuleMethods, torch's FSDPModule, Orig, ...]
+    _orig_cls_mro_index = 4
+    unshard_handle = UnshardHandle
 
-    def _fullshard_states(self, recurse: bool) -> list[ShardedUnit]:
-        return distinct_units(self.modules() if recurse else [self])
-
-    def _configure(self, recurse: bool, **values: Any) -> None:
-        """Set ``values`` on every group in reach."""
-        configure_groups(self._fullshard_states(recurse), values)
-
-    def unshard(self, async_op: bool = False) -> Optional[UnshardHandle]:
-        """All-gather this module's parameters now (e.g. to prefetch); they stay until ``reshard()``."""
-        state = self._fullshard_state
-        if state.group is not None:
-            state.group.unshard()
-            state.group.keep_for_next_forward = True  # kept for the next forward, even across steps
-        handle = UnshardHandle(state)
-        if async_op:
-            return handle
-        handle.wait()
-        return None
-
-    def reshard(self) -> None:
-        """Free the unsharded parameters and show the sharded ones again."""
-        state = self._fullshard_state
-        if state.group is not None:
-            state.group.reshard()
+    def _modules_in_reach(self, recurse: bool) -> Iterable[nn.Module]:
+        return self.modules() if recurse else [self]
 
     def _apply(self, *args: Any, **kwargs: Any) -> Any:
         # to_empty(), .to(), .float() ... replace sharded parameters or their data:
@@ -80,59 +51,14 @@ class FSDPModule(torch_fsdp.FSDPModule):
         self.reshard()
         # Past torch's FSDPModule (its _apply needs FSDP2 state) to the original class.
         result = super(_TORCH_FSDP_MODULE, self)._apply(*args, **kwargs)
-        group = self._fullshard_state.group
+        group = getattr(self, UNIT_ATTR).group
         if group is not None:
             group.follow_replaced_params()
         return result
 
-    def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
-        """False: keep accumulating unsharded gradients locally, no communication (FSDP1's ``no_sync``)."""
-        self._configure(recurse, reduce_grads=requires_gradient_sync, all_reduce_grads=requires_gradient_sync)
-
-    @contextlib.contextmanager
-    def no_sync(self) -> Iterator[None]:
-        """Context manager form of ``set_requires_gradient_sync(False)``."""
-        self.set_requires_gradient_sync(False)
-        try:
-            yield
-        finally:
-            self.set_requires_gradient_sync(True)
-
-    def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
-        """HSDP: False keeps reduce-scattered partial sums (owned) and skips the replica all-reduce
-        until a backward with True. No effect on a 1-D mesh, which has no replicas."""
-        self._configure(recurse, all_reduce_grads=requires_all_reduce)
-
     def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True) -> None:
-        if not isinstance(reshard_after_forward, bool):
-            raise ValueError(f"reshard_after_forward must be a bool, got {type(reshard_after_forward).__name__}")
-        for state in self._fullshard_states(recurse):
-            state.reshard_after_forward = reshard_after_forward
-        self._configure(recurse, post_forward_group=None)
-
-    def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
-        # False keeps them gathered for the next forward even after a synced backward, as in FSDP2
-        after = AfterBackward.RESHARD if reshard_after_backward else AfterBackward.KEEP_GATHERED
-        self._configure(recurse, after_backward=after)
-
-    def set_is_last_backward(self, is_last_backward: bool) -> None:
-        """Accepted for FSDP2 compatibility; nothing to do: every backward already waits for its
-        reductions and keeps no prefetch state across backward passes."""
-
-    def set_modules_to_forward_prefetch(self, modules: list["FSDPModule"]) -> None:
-        """Start these modules' all-gathers right after this module's, in forward."""
-        self._fullshard_state.forward_prefetch = [_state_of(m, "set_modules_to_forward_prefetch") for m in modules]
-
-    def set_modules_to_backward_prefetch(self, modules: list["FSDPModule"]) -> None:
-        """Start these modules' all-gathers right after this module's, in backward."""
-        self._fullshard_state.backward_prefetch = [_state_of(m, "set_modules_to_backward_prefetch") for m in modules]
-
-    def set_gradient_divide_factor(self, factor: float) -> None:
-        """Divide this module's reduced gradients by ``factor`` instead of the world size (1.0 gives a sum).
-        Its own parameters only, as in FSDP2: call it on every FSDPModule to change them all."""
-        if not factor > 0:
-            raise ValueError(f"gradient divide factor must be > 0, got {factor}")
-        self._configure(False, divide_factor=float(factor))
+        super().set_reshard_after_forward(reshard_after_forward, recurse)
+        self._configure(recurse, post_forward_group=None)  # a reshard_after_forward=k block goes with it
 
     def set_reduce_scatter_divide_factor(self, factor: float) -> None:
         """Deprecated in FSDP2 in favour of :meth:`set_gradient_divide_factor`, which it calls."""
@@ -147,23 +73,6 @@ class FSDPModule(torch_fsdp.FSDPModule):
         if not isinstance(enable, bool):
             raise ValueError(f"set_force_sum_reduction_for_comms expects a bool, got {type(enable).__name__}")
 
-    def set_unshard_in_backward(self, unshard_in_backward: bool) -> None:
-        """False: do not all-gather this module's parameters for backward, because no backward
-        op reads them (e.g. an embedding, whose weight gradient needs only the indices)."""
-        self._configure(False, unshard_in_backward=bool(unshard_in_backward))
-
-    def set_reduce_scatter_unused_params(self, reduce_scatter_unused_params: bool, *, recurse: bool = True) -> None:
-        """True: reduce a zero gradient for every parameter that got none in a backward.
-
-        Needed when ranks use different parameters in a step (conditional
-        branches, mixture of experts): every rank must take part in each
-        reduction. Each such unit that ran forward with grad enabled reduces at
-        the end of backward, in module order on every rank (holding its
-        unsharded parameters and gradients until then), and its parameters get
-        a gradient (zero where no rank had one).
-        """
-        self._configure(recurse, reduce_unused_params=bool(reduce_scatter_unused_params))
-
     def set_all_reduce_hook(self, hook: Callable[[torch.Tensor], None], *, stream: Any = None) -> None:
         """Call ``hook(reduced)`` on each reduced gradient bucket of this module's group, in place,
         before the division by the world size (after the replica all-reduce under HSDP): e.g. to
@@ -171,7 +80,7 @@ class FSDPModule(torch_fsdp.FSDPModule):
         stream then waits for it); not with HSDP, whose own all-reduce runs where the hook would."""
         if not callable(hook):
             raise ValueError(f"set_all_reduce_hook expects a callable, got {type(hook).__name__}")
-        group = self._fullshard_state.group
+        group = getattr(self, UNIT_ATTR).group
         if stream is not None and group is not None and group.replicate_group is not None:
             raise ValueError("stream cannot be set when using native HSDP")  # FSDP2's words, exactly
         self._configure(False, all_reduce_hook=hook, all_reduce_hook_stream=stream)
@@ -182,13 +91,8 @@ class FSDPModule(torch_fsdp.FSDPModule):
         fullshard gathers on the current stream, so this is only needed when the
         optimizer ran on another stream; the event is used once, then dropped.
         """
-        state = self._fullshard_state
-        (state.context or state.lazy_init_as_root()).post_optim_event = event
-
-    def reset_iter_state(self) -> None:
-        """After a forward or backward raised: drop this step's pending reductions and gradients
-        in flight, reshard every unit, so the next step starts clean (call on the root)."""
-        self._fullshard_state.reset_step()
+        unit = getattr(self, UNIT_ATTR)
+        (unit.root or unit.lazy_init_as_root()).post_optim_event = event
 
     def _ignored_hint(self, method: str) -> None:
         warnings.warn(
@@ -197,7 +101,7 @@ class FSDPModule(torch_fsdp.FSDPModule):
         )
 
     def set_allocate_memory_from_process_group_for_comm(self, *args: Any, **kwargs: Any) -> None:
-        group = self._fullshard_state.group
+        group = getattr(self, UNIT_ATTR).group
         if group is not None and (group.custom_all_gather is not None or group.custom_reduce_scatter is not None):
             raise AssertionError(
                 "set_allocate_memory_from_process_group_for_comm after set_custom_all_gather / "
@@ -232,7 +136,7 @@ class FSDPModule(torch_fsdp.FSDPModule):
     def _set_custom_comm(self, attribute: str, comm: Any) -> None:
         if comm is not None and not (callable(comm) and callable(getattr(comm, "allocate", None))):
             raise ValueError(f"{attribute}: expects an object with allocate() that can be called, got {comm!r}")
-        group = self._fullshard_state.group
+        group = getattr(self, UNIT_ATTR).group
         if group is not None:
             setattr(group, attribute, comm)
             group.replan()
@@ -254,7 +158,7 @@ class FSDPModule(torch_fsdp.FSDPModule):
     def _get_fsdp_state(self) -> Any:
         """fullshard's state, whose ``_pre_forward``/``_post_forward`` take FSDP2's arguments: torch's own
         ``register_fsdp_forward_method`` works on fullshard modules. Nothing else of FSDP2's state exists."""
-        return self._fullshard_state
+        return getattr(self, UNIT_ATTR)
 
 
 def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
@@ -263,24 +167,17 @@ def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
     Only ``forward`` runs through module hooks; other methods that use the
     parameters need this (FSDP2 has the same function).
     """
-    if not hasattr(module, "_fullshard_state"):
+    unit: ShardedUnit = getattr(module, UNIT_ATTR, None)
+    if unit is None:
         return  # as in FSDP2: a no-op for a module that is not sharded, so the same code runs without fullshard
     if not callable(getattr(module, method_name, None)):
         raise ValueError(f"register_fsdp_forward_method: {type(module).__name__} has no method '{method_name}'")
-    state = module._fullshard_state
     method = getattr(module, method_name)
 
     def wrapped(*args: Any, **kwargs: Any) -> Any:
-        args, kwargs = state._pre_forward(module, args, kwargs)
-        return state._post_forward(module, args, method(*args, **kwargs))
+        args, kwargs = unit._pre_forward(module, args, kwargs)
+        return unit._post_forward(module, args, method(*args, **kwargs))
 
     setattr(module, method_name, wrapped)
-
-
-def _state_of(module: Any, caller: str) -> ShardedUnit:
-    state = getattr(module, "_fullshard_state", None)
-    if state is None:
-        raise ValueError(f"{caller}: {type(module).__name__} is not an FSDPModule; apply fully_shard to it first")
-    return state
 
 

@@ -19,6 +19,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from fullshard.torch import buffers
 from fullshard.torch.buffers import Kind, Owned
 from fullshard.plan import ShardLayout, stores_padded_chunk
+from fullshard.plan.group import ParamFacts
 from fullshard.torch.spmd import ShardedSpec
 
 
@@ -28,6 +29,11 @@ def contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
         stride.append(running)
         running *= max(size, 1)
     return tuple(reversed(stride))
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """torch.bfloat16 -> "bfloat16": how the planning code names dtypes."""
+    return str(dtype).removeprefix("torch.")
 
 
 def is_plain(tensor: torch.Tensor) -> bool:
@@ -202,6 +208,14 @@ class ShardedParam:
         """The shard must be cast, moved or unwrapped (a tensor subclass, which collectives cannot carry
         as it is) before it can be gathered for compute."""
         return self.cast_needed or not is_plain(self.sharded._local_tensor)
+
+    @property
+    def facts(self) -> ParamFacts:
+        """What the plan knows of this parameter (``fullshard.plan.group``); a replica computes with itself,
+        whatever its tensor type, unless it needs another dtype or device."""
+        return ParamFacts(self.layout, dtype_name(self.stored_dtype), dtype_name(self.compute_dtype),
+                          self.requires_grad, self.converts_for_compute, replica_needs_copy=self.cast_needed,
+                          travels_alone=self.extension is not None)
 
     def local_shard(self) -> torch.Tensor:
         return self.sharded.to_local()

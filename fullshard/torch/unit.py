@@ -1,4 +1,4 @@
-"""One unit on torch: the module hooks that drive its lifecycle (``fullshard.core.lifecycle``), and its root's.
+"""One unit on torch: the module hooks that drive its lifecycle (``fullshard.core.unit``), and its root's.
 
 Where torch tells a unit where it is in a step:
 
@@ -29,8 +29,7 @@ from torch.distributed.tensor import DTensor
 from torch.profiler import record_function
 
 from fullshard.core.agreement import Ranks, check_ranks_agree, describe_model
-from fullshard.core.lifecycle import GatherState, Root, TrainingPhase, Unit
-from fullshard.core.units import named_under
+from fullshard.core.unit import Root, TrainingPhase, Unit, named_under
 from fullshard.plan.strategy import Strategy
 from fullshard.torch import checks
 from fullshard.torch.collectives import ranks_summing_over
@@ -108,7 +107,7 @@ def _group_values(group: ParamGroup) -> dict[str, Any]:
     block = group.post_forward_group  # reshard_after_forward=k: backward gathers within blocks of k ranks
     return {
         "mesh": "; ".join(_mesh_text(mesh) for mesh in meshes),
-        "exchange": f"all-gather {group.plan.gather_exchange.value}, reduce-scatter {group.plan.reduce_exchange.value}",
+        "exchange": f"all-gather {group.plan.collectives.gather.value}, reduce-scatter {group.plan.collectives.reduce.value}",
         "fuse_below_numel": group.plan.fuse_below_numel,
         "reshard_after_forward block": dist.get_world_size(block) if block is not None else None,
     }
@@ -186,7 +185,7 @@ class ShardedUnit(Unit):
     def _before_state_dict(self, *_args: Any) -> None:
         """state_dict() returns the shards (FSDP2 does the same). The tensors it returns may be written
         (dcp.load writes into them, below any version counter): a kept copy is gathered again."""
-        if self.group is not None and self.group.state is not GatherState.SHARDED and not _in_backward():
+        if self.group is not None and self.group.shows_unsharded and not _in_backward():
             self.group.mark_stale()
 
     def _before_load_state_dict(self, module: nn.Module, state_dict: dict, prefix: str, *_args: Any) -> None:
@@ -211,10 +210,10 @@ class ShardedUnit(Unit):
         if in_backward and self.phase is TrainingPhase.PRE_BACKWARD:
             self.gather_for_recomputation()
             return self._cast_inputs(args, kwargs)
-        if self.context is not None and not in_backward:
-            self.context.check_not_in_backward(type(module).__name__)
+        if self.root is not None and not in_backward:
+            self.root.check_not_in_backward(type(module).__name__)
         if not in_backward and self.enter_root_forward():
-            groups = self.context.groups
+            groups = self.root.groups
             if checks.check_inputs_enabled() and groups:
                 checks.check_same_input_shapes(args, kwargs, type(module).__name__, groups[0].process_group)
         first_in_pass = self.phase is not TrainingPhase.FORWARD  # fully_shard([a, b]): once per pass
@@ -265,7 +264,7 @@ class ShardedUnit(Unit):
         return bool(tensors)
 
     def _on_grad(self) -> None:
-        self.context.queue_end_of_backward()
+        self.root.queue_end_of_backward()
 
 
 def _cast_floats(tree: Any, dtype: torch.dtype) -> Any:

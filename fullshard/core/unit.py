@@ -1,39 +1,37 @@
-"""The life of a sharded unit in a training step, written once for every runtime.
+"""The life of a sharded unit in a training step, written once for every runtime: its phases and its root's.
 
-A *unit* is what one ``fully_shard`` call leaves on a module (torch) or cell
-(MindSpore): the groups of parameters it gathers and reduces, and its place in
-a root's step. The runtime's hooks call the transitions below when its
-framework reaches them; every rule about what happens then (gather or not,
-keep or reshard, reduce now or at the end of backward, prefetch whom, what a
-kept copy is worth, how a failed step is abandoned) lives here. A runtime
-subclasses :class:`Group`, :class:`Unit` and :class:`Root` and supplies only
-its framework's operations: the methods whose names start with ``_`` and
-raise ``NotImplementedError`` here.
+A *unit* is what one ``fully_shard`` call leaves on a module (torch) or cell (MindSpore), under
+:data:`UNIT_ATTR`: the groups of parameters it gathers and reduces (``fullshard.core.group``), and its place in
+a root's step. The runtime's hooks call the transitions below when its framework reaches them; the rules about
+what happens then (gather or not, keep or reshard, reduce now or at the end of backward, prefetch whom, how a
+failed step is abandoned) live here and in ``core/group.py``. Where a framework decides something itself (when
+MindSpore's autograd hands a gradient over, when torch's runs the end-of-backward callback), the runtime's
+``unit.py`` says so. A runtime subclasses :class:`Unit` and :class:`Root` and supplies its framework's
+operations: the methods that raise ``NotImplementedError`` here.
 
-Phases of a unit (:class:`TrainingPhase`) and the events that move it
-(:data:`TRANSITIONS`, drawn in ``docs/design.md``)::
+Phases of a unit (:class:`TrainingPhase`) and the events that move it (:data:`TRANSITIONS`, drawn in
+``docs/design.md``)::
 
     IDLE --pre-forward--> PRE_FORWARD --gathered--> FORWARD --post-forward--> IDLE
     IDLE --pre-backward--> PRE_BACKWARD --post-backward--> POST_BACKWARD --end of backward--> IDLE
 
-and of a group's parameters (:class:`GatherState`, :data:`GATHER_TRANSITIONS`)::
-
-    SHARDED --unshard--> UNSHARDING --wait--> UNSHARDED --reshard (free) | mark stale (keep storage)--> SHARDED
-
-A unit used twice in one forward goes through PRE_BACKWARD / POST_BACKWARD
-once per use; the root's end of backward returns every unit to IDLE, and
-abandoning a step (it raised) does too, from any phase.
+A unit used twice in one forward goes through PRE_BACKWARD / POST_BACKWARD once per use (on MindSpore, whose
+autograd sums the uses before it hands them over, once); the root's end of backward returns every unit to
+IDLE, and abandoning a step (it raised) does too, from any phase.
 """
 from __future__ import annotations
 
 import contextlib
 import enum
 import threading
-from typing import Any, Iterable, Iterator, Optional
+from typing import Any, Callable, Iterable, Optional
 
+from fullshard.core.group import GatherState, Group
 from fullshard.plan.strategy import AfterBackward, Lifecycle, lifecycle
 
-STATE_ATTR = "_fullshard_state"  # where a module or cell keeps its unit
+UNIT_ATTR = "_fullshard_unit"  # where a module or cell keeps its unit
+
+Named = Iterable[tuple[str, Any]]
 
 
 class TrainingPhase(enum.Enum):
@@ -45,12 +43,6 @@ class TrainingPhase(enum.Enum):
 
     def __str__(self) -> str:
         return self.value
-
-
-class GatherState(enum.Enum):
-    SHARDED = "sharded"
-    UNSHARDING = "unsharding"  # gathers issued, not yet waited on
-    UNSHARDED = "unsharded"
 
 
 # (from, event, to): every move of a unit's phase this module makes (tests/test_lifecycle.py records each move
@@ -68,151 +60,6 @@ TRANSITIONS = (
     *((phase, "abandon the step", TrainingPhase.IDLE) for phase in TrainingPhase if phase is not TrainingPhase.IDLE),
 )
 
-# The same for a group's parameters (GatherState).
-GATHER_TRANSITIONS = (
-    (GatherState.SHARDED, "unshard (issue the gathers)", GatherState.UNSHARDING),
-    (GatherState.UNSHARDING, "wait", GatherState.UNSHARDED),
-    (GatherState.UNSHARDED, "reshard (free) or mark stale (keep the storage)", GatherState.SHARDED),
-    (GatherState.UNSHARDING, "abandon the step", GatherState.SHARDED),
-)
-
-
-class Group:
-    """One group of parameters (a ``fully_shard`` call's): whether they are gathered, what a kept copy is worth,
-    and the gradient settings the lifecycle reads. A runtime's group subclasses it with its framework's
-    storage and collectives."""
-
-    def __init__(self, after_backward: AfterBackward) -> None:
-        self.state = GatherState.SHARDED
-        self.after_backward = after_backward
-        # FSDPModule.set_unshard_in_backward(False): no backward op reads these parameters.
-        self.unshard_in_backward = True
-        # The next forward uses the gather as it is: an explicit unshard() (FSDP2's meaning), or a backward
-        # that kept the parameters gathered (set_reshard_after_backward(False)).
-        self.keep_for_next_forward = False
-        # An explicit unshard() that holds until reshard() (the seed library's meaning, on MindSpore).
-        self.held = False
-        # Sharded, but the unsharded storage stays allocated for the next gather into it (mark_stale).
-        self.storage_kept = False
-        self.reduce_grads = True  # set_requires_gradient_sync
-        self.all_reduce_grads = True  # set_requires_all_reduce (HSDP)
-        self.reduce_unused_params = False  # set_reduce_scatter_unused_params
-
-    # ------------------------------------------------------------------ framework operations
-    def _start_gather(self) -> None:
-        """Issue every bucket's all-gather (a runtime may complete it at once)."""
-        raise NotImplementedError
-
-    def _finish_gather(self) -> None:
-        """Wait for the gathers; the modules show the unsharded parameters."""
-        raise NotImplementedError
-
-    def _free(self, keep_post_forward_chunks: bool) -> None:
-        """Reclaim the unsharded storage, gathered or kept (keeping this rank's chunks for a smaller backward
-        gather, when asked and configured); the modules show the shards."""
-        raise NotImplementedError
-
-    def _keep(self) -> None:
-        """The modules show the shards; the unsharded storage stays for the next gather into it."""
-        raise NotImplementedError
-
-    def rename(self, module_fqn: str) -> None:
-        """Name the parameters by their paths from the root (known once the root adopts the unit)."""
-        raise NotImplementedError
-
-    def _keep_for_backward(self) -> None:
-        """After a forward whose backward will come, without resharding: what the modules show meanwhile."""
-
-    def _shards_changed(self) -> bool:
-        """Whether a shard was written (an optimizer step, a load) since it was last gathered."""
-        raise NotImplementedError
-
-    def _drop_post_forward_chunks(self) -> None:
-        """Forget the chunks a partial reshard kept for a backward that never came."""
-
-    def _abandon_gathers(self) -> None:
-        """A step raised: let gathers in flight end; storage a failed transfer may still write is dropped."""
-        raise NotImplementedError
-
-    def has_pending_grads(self) -> bool:
-        """Gradients arrived or accumulate since the last reduction."""
-        raise NotImplementedError
-
-    def _start_reduce(self) -> list:
-        """Start reducing the pending gradients; objects whose ``finish()`` completes each reduction."""
-        raise NotImplementedError
-
-    def _abandon_grads(self) -> None:
-        """Forget this step's gradients: unreduced, reduced, kept as partial sums."""
-        raise NotImplementedError
-
-    def refresh(self) -> None:
-        """At a root forward: follow parameters the user replaced (a runtime that allows it)."""
-
-    # ------------------------------------------------------------------ rules
-    def unshard(self) -> None:
-        """Start gathering, unless the modules show a copy that is still right."""
-        if self.state is GatherState.UNSHARDED and self._shards_changed():
-            self.mark_stale()
-        if self.state is GatherState.SHARDED:
-            self._start_gather()
-            self.state, self.storage_kept = GatherState.UNSHARDING, False
-
-    def wait(self) -> None:
-        if self.state is GatherState.UNSHARDING:
-            self._finish_gather()
-            self.state = GatherState.UNSHARDED
-
-    def unshard_now(self) -> None:
-        self.unshard()
-        self.wait()
-
-    def reshard(self, after_forward: bool = False) -> None:
-        """Free the unsharded storage, kept storage included, and show the shards (``after_forward``: a policy
-        may keep this rank's chunks for the backward gather)."""
-        self.wait()
-        self.keep_for_next_forward = self.held = False
-        if self.state is GatherState.SHARDED and not self.storage_kept:
-            return
-        self._free(after_forward and self.state is GatherState.UNSHARDED)
-        self.state, self.storage_kept = GatherState.SHARDED, False
-
-    def mark_stale(self) -> None:
-        """Show the shards but keep the storage; gather into it again before the next use (ZeRO-1/2)."""
-        self.wait()
-        self.keep_for_next_forward = self.held = False
-        if self.state is GatherState.UNSHARDED:
-            self._keep()
-            self.state, self.storage_kept = GatherState.SHARDED, True
-
-    def begin_step(self, keep: bool) -> None:
-        """A new root forward: a copy gathered before is kept only while no optimizer step can have come since
-        (``keep``: gradients accumulate without sync, or a forward's backward is still to come), or when the
-        user asked for it; every other step gathers afresh."""
-        if self.keep_for_next_forward or self.held or keep:
-            return
-        if self.state is not GatherState.SHARDED:
-            self.mark_stale()
-        self._drop_post_forward_chunks()
-
-    def after_reducing_backward(self) -> None:
-        """The end of a backward: reshard, keep gathered for the next forward, or keep the storage (the
-        optimizer steps next: ZeRO-1/2)."""
-        if self.after_backward is AfterBackward.RESHARD:
-            self.reshard()
-        elif self.after_backward is AfterBackward.KEEP_GATHERED:
-            self.keep_for_next_forward = True  # whatever the next forward's setting
-        elif self.reduce_grads:
-            # reduced: the optimizer will change the shards, and the sharded gradients are what it reads
-            self.mark_stale()
-
-    def abandon(self) -> None:
-        """The step raised: gathers in flight end, the shards are shown again, this step's gradients go."""
-        self._abandon_grads()
-        self._abandon_gathers()
-        self.keep_for_next_forward = self.held = self.storage_kept = False
-        self.state = GatherState.SHARDED
-
 
 class Unit:
     """One ``fully_shard`` call's place in a step: its phase, its groups, how it finds its root. A runtime's
@@ -220,7 +67,7 @@ class Unit:
     and calls the transitions from its framework's hooks."""
 
     root_class: type  # the runtime's Root
-    active: Any  # a threading.local; ``.root``: the root unit whose forward runs in this thread
+    active: Any  # a threading.local; ``.unit``: the root unit whose forward runs in this thread
     # Without explicit targets, prefetch the neighbour in the order the root recorded in its first forward.
     implicit_forward_prefetch = True
     implicit_backward_prefetch = True
@@ -233,7 +80,7 @@ class Unit:
         self.module_count = module_count  # a unit of several modules ends its forward after the last one
         self.phase = TrainingPhase.IDLE
         self.is_root: Optional[bool] = None
-        self.context: Optional[Root] = None  # the root's, once a root forward ran
+        self.root: Optional[Root] = None  # the root's step state, once a root forward ran
         # Explicit prefetch targets (set_modules_to_*_prefetch); empty: the implicit neighbour.
         self.forward_prefetch: list[Unit] = []
         self.backward_prefetch: list[Unit] = []
@@ -277,55 +124,56 @@ class Unit:
     # ------------------------------------------------------------------ finding the root
     def lazy_init_as_root(self) -> "Root":
         """The root's first forward adopts every unit below it, and the ranks check they agree."""
-        if self.context is not None:
-            return self.context
-        context = self.root_class(self)
-        self.context, self.is_root = context, True
+        if self.root is not None:
+            return self.root
+        root = self.root_class(self)
+        self.root, self.is_root = root, True
         for name, sub in self._named_submodules():
-            unit = getattr(sub, STATE_ATTR, None)
-            if unit is not None and unit not in context.units:
-                context.adopt(name, unit)  # also takes over a unit that ran alone before
+            unit = getattr(sub, UNIT_ATTR, None)
+            if unit is not None and unit not in root.units:
+                root.adopt(name, unit)  # also takes over a unit that ran alone before
         # Before the first gather: every unit's settings, also those of units that gather later in the step.
-        context.check_agreement(context.units)
-        return context
+        root.check_agreement(root.units)
+        return root
 
-    def ensure_context(self) -> "Root":
+    def ensure_root(self) -> "Root":
         """A unit outside its root's modules (called from the root's forward) joins the active root, whose check
         did not describe it: the ranks compare its settings before its first gather."""
-        if self.context is None:
-            root = getattr(self.active, "root", None)
-            if root is not None and root.context is not None:
-                root.context.adopt("", self)
-                root.context.check_agreement([self])
+        if self.root is None:
+            active = getattr(self.active, "unit", None)
+            if active is not None and active.root is not None:
+                active.root.adopt("", self)
+                active.root.check_agreement([self])
             else:
                 self.lazy_init_as_root()
-        return self.context
+        return self.root
 
     def enter_root_forward(self) -> bool:
         """At a forward that no other root's forward encloses: this unit is the root of the step that begins.
         False when another root's forward runs (this unit is one of its units)."""
-        if getattr(self.active, "root", None) is not None:
+        if getattr(self.active, "unit", None) is not None:
             return False
         self.lazy_init_as_root()
-        self.active.root = self
-        self.context.begin_step()
+        self.active.unit = self
+        self.root.begin_step()
         return True
 
     def leave_root_forward(self) -> None:
-        if getattr(self.active, "root", None) is self:
-            if self.context is not None and self is self.context.root:
-                self.context.finish_forward()
-            self.active.root = None
+        if getattr(self.active, "unit", None) is self:
+            if self.root is not None and self is self.root.unit:
+                self.root.finish_forward()
+            self.active.unit = None
 
     # ------------------------------------------------------------------ forward
     def pre_forward(self, prefetch: bool) -> None:
         """Gather (issuing the next unit's gathers first when ``prefetch``), then the forward computes."""
         if self.groups:
-            context = self.ensure_context()  # may compare this unit across ranks first: it raises in IDLE
+            root = self.ensure_root()  # may compare this unit across ranks first: it raises in IDLE
             self.phase = TrainingPhase.PRE_FORWARD
-            context.record_forward(self, ended=False)
+            root.record_forward(self, ended=False)
             with self.profiled("all-gather"):
                 for group in self.groups:
+                    group.use_in_forward()
                     group.unshard()
                 if prefetch:  # issued before waiting for this unit's own: both transfers in flight at once
                     self.prefetch(self.forward_prefetch or self._neighbour(+1), backward=False)
@@ -344,10 +192,8 @@ class Unit:
             return
         self._forward_done.clear()
         if not in_backward:
-            self.context.record_forward(self, ended=True)
+            self.root.record_forward(self, ended=True)
             self.release_after_forward()
-        for group in self.groups:
-            group.keep_for_next_forward = False  # used up by this forward
         self.phase = TrainingPhase.IDLE
 
     def release_after_forward(self) -> None:
@@ -357,8 +203,6 @@ class Unit:
         kept, when the policy keeps it)."""
         with self.profiled("reshard"):
             for group in self.groups:
-                if group.held:
-                    continue
                 if not self.forwards_with_grad:
                     group.reshard() if self.reshard_after_forward else group.mark_stale()
                 elif self.reshard_after_forward:
@@ -372,7 +216,7 @@ class Unit:
         if self._forward_done:
             self._forward_done.clear()
             self.phase = TrainingPhase.IDLE
-        if not self.is_root and not any(g.keep_for_next_forward or g.held for g in self.groups):
+        if not self.is_root and not any(g.state is GatherState.KEPT for g in self.groups):
             self.release_after_forward()
 
     def gather_for_recomputation(self) -> None:
@@ -388,7 +232,7 @@ class Unit:
         """Backward reached this unit's outputs: gather again, and prefetch the unit backward reaches next."""
         if self.phase is TrainingPhase.PRE_BACKWARD:
             return
-        self.context.queue_end_of_backward()
+        self.root.queue_end_of_backward()
         self.phase = TrainingPhase.PRE_BACKWARD
         with self.profiled("all-gather"):
             for group in self.groups:
@@ -409,7 +253,7 @@ class Unit:
 
     def _neighbour(self, offset: int) -> list["Unit"]:
         implicit = self.implicit_forward_prefetch if offset > 0 else self.implicit_backward_prefetch
-        return self.context.neighbour(self, offset) if implicit else []
+        return self.root.neighbour(self, offset) if implicit else []
 
     @property
     def reduces_at_end_of_backward(self) -> bool:
@@ -422,7 +266,7 @@ class Unit:
         # those groups reduce at the end of backward instead, in module order on every rank.
         if any(g.reduce_grads and not g.reduce_unused_params and g.has_pending_grads() for g in self.groups) \
                 and not self.reduces_at_end_of_backward:
-            self.context.start_reduce(self)
+            self.root.start_reduce(self)
         for group in self.groups:
             if group.after_backward is AfterBackward.RESHARD:
                 with self.profiled("reshard"):
@@ -435,22 +279,22 @@ class Unit:
             return
         if any(g.reduce_unused_params for g in self.groups):
             if self.forwards_with_grad:
-                self.context.start_reduce(self)
+                self.root.start_reduce(self)
         elif any(g.has_pending_grads() for g in self.groups):
             self.phase = TrainingPhase.POST_BACKWARD
-            self.context.start_reduce(self)
+            self.root.start_reduce(self)
 
     def reduce_accumulated_grads(self) -> None:
         """Reduce this unit's accumulated gradients now, outside autograd (torch.distributed.pipelining does
         this after its last micro-batch, then completes the backward on the stage's root)."""
         if any(g.reduce_grads for g in self.groups):
             self.phase = TrainingPhase.POST_BACKWARD
-            (self.context or self.lazy_init_as_root()).start_reduce(self)
+            (self.root or self.lazy_init_as_root()).start_reduce(self)
 
     def reset_step(self) -> None:
         """FSDPModule.reset_iter_state: abandon the step in flight (call on the root)."""
-        (self.context or self.root_class(self)).reset_step()
-        self.active.root = None
+        (self.root or self.root_class(self)).reset_step()
+        self.active.unit = None
 
 
 class Root:
@@ -461,9 +305,9 @@ class Root:
     queue the end-of-backward callback and how ranks compare what they wrapped.
     """
 
-    def __init__(self, root: Unit) -> None:
-        self.root = root
-        self.units: list[Unit] = [root]  # every unit under the root, in module order
+    def __init__(self, unit: Unit) -> None:
+        self.unit = unit  # the root unit
+        self.units: list[Unit] = [unit]  # every unit under the root, in module order
         # Units in the order their forward began, and in the order it ended. Backward runs in the reverse of
         # the second: the root's head, whose forward ends last, first; then the last block, and so on.
         self.forward_order: list[Unit] = []
@@ -498,7 +342,7 @@ class Root:
 
     def adopt(self, name: str, unit: Unit) -> None:
         self.units.append(unit)
-        unit.context, unit.is_root = self, False
+        unit.root, unit.is_root = self, False
         for group in unit.groups:
             group.rename(name)  # errors and labels name parameters from the root
 
@@ -508,7 +352,7 @@ class Root:
             self.check_ranks_agree(units)
         except Exception:
             for unit in units:
-                unit.context, unit.is_root = None, None
+                unit.root, unit.is_root = None, None
             self.units = [unit for unit in self.units if unit not in units]
             raise
 
@@ -576,7 +420,7 @@ class Root:
 
     def end_of_backward(self) -> None:
         """The framework's last callback of the backward: reduce what no post-backward did, wait, reshard."""
-        with self.root._profile("fullshard::root end of backward"):
+        with self.unit._profile("fullshard::root end of backward"):
             for unit in self.units:
                 unit.reduce_leftovers()
             # ZeRO-1 reduces every unit once, here, in the same order on every rank.
@@ -618,13 +462,17 @@ def distinct_units(modules: Iterable[Any]) -> list[Unit]:
     """The units of ``modules``, each once, in order (a group of several modules has one unit)."""
     seen, units = set(), []
     for module in modules:
-        unit = getattr(module, STATE_ATTR, None)
+        unit = getattr(module, UNIT_ATTR, None)
         if unit is not None and id(unit) not in seen:
             seen.add(id(unit))
             units.append(unit)
     return units
 
 
-def iter_groups(units: Iterable[Unit]) -> Iterator[Group]:
-    for unit in units:
-        yield from unit.groups
+def named_under(tops: list[Any], named_modules: Callable[[Any], Named]) -> Named:
+    """(path, module) of every module under ``tops``, each top included; with several tops (one group of
+    several modules), paths start with ``[i].`` as parameter paths do."""
+    for index, top in enumerate(tops):
+        prefix = f"[{index}]." if len(tops) > 1 else ""
+        for name, sub in named_modules(top):
+            yield (f"{prefix}{name}" if name else prefix.rstrip(".")), sub

@@ -1,0 +1,272 @@
+"""What ``fully_shard`` does to a module or cell, written once for both runtimes: the checks it makes before it
+changes anything, the parameters it takes over, the class the module gains, and that class's methods.
+
+Each check raises with a message that names the module (or cell) and the parameter, what is wrong and the
+fix. A runtime passes its own exception type where its users' code expects one (torch's FSDP2 raises
+``AssertionError`` subclasses in some places), and the words of its framework ("forward" or "construct").
+
+:class:`FSDPModuleMethods` holds the methods with one meaning on both runtimes (FSDP2's); each runtime's
+``FSDPModule`` adds only what its framework has alone, and says so.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable, Iterable, Iterator, Optional, Sequence, Union
+
+from fullshard.core.unit import UNIT_ATTR, Named, Unit, distinct_units
+from fullshard.plan.strategy import AfterBackward, Strategy
+
+
+# ---------------------------------------------------------------------------------------------- checks
+def check_modules(modules: Sequence[Any], name: str, *, is_module: Callable[[Any], bool], kind: str,
+                  is_container: Callable[[Any], bool], forward: str, word: str = "module",
+                  applied_twice: type = ValueError) -> None:
+    """Every module is a module of the framework (``kind``), not a container that is never called, and not
+    sharded yet. ``word``: what the framework calls a module ("module", "cell")."""
+    for module in modules:
+        if not is_module(module):
+            raise TypeError(f"fully_shard expects {kind}, got {type(module).__name__}")
+        if is_container(module):
+            raise ValueError(
+                f"fully_shard does not support containers that do not implement {forward}: "
+                f"{type(module).__name__} is never called, so its parameters would never be gathered; shard the "
+                f"{word}s it holds, or pass them as a list to form one group: fully_shard(list(container), ...)"
+            )
+        if hasattr(module, UNIT_ATTR):
+            raise applied_twice(
+                f"Each distinct composable distributed API can only be applied to a module once. fully_shard was "
+                f"already applied to {name}; apply it once per {word} (children first, then parents)"
+            )
+
+
+def parse_strategy(strategy: Union[str, Strategy, None], name: str) -> Strategy:
+    try:
+        return Strategy.parse(strategy if strategy is not None else Strategy.OPTIM_GRADS_PARAMS)
+    except ValueError as error:
+        raise ValueError(f"fully_shard({name}): {error}") from None
+
+
+def check_reshard_after_forward(value: Any, name: str, allow_int: bool) -> None:
+    allowed = (bool, int) if allow_int else (bool,)
+    if value is not None and not isinstance(value, allowed):
+        choices = "True, False, None or an int (the size of the group to reshard to after forward)" if allow_int \
+            else "True, False or None"
+        raise ValueError(f"fully_shard({name}): reshard_after_forward={value!r} must be {choices}")
+
+
+def check_not_managed(managed: bool, sharded_by_parent: bool, fqn: str, name: str) -> None:
+    """A parameter some fully_shard call took over already would be sharded twice and silently untied."""
+    if managed and sharded_by_parent:
+        raise ValueError(
+            f"fully_shard({name}): parameter '{fqn}' is already sharded by fully_shard on a parent module; apply "
+            "fully_shard to children first, then to their parents"
+        )
+    if managed:
+        raise ValueError(
+            f"fully_shard({name}): parameter '{fqn}' is already managed by another fully_shard unit (it is shared "
+            "with a module fully_shard was applied to); tied parameters must belong to one unit: apply fully_shard "
+            "to their common parent only, or to both modules as one group: fully_shard([module_a, module_b])"
+        )
+
+
+def shard_dim(placement: Any, shard_type: type, shape: Sequence[int], fqn: str, name: str,
+              out_of_range: type = ValueError) -> int:
+    """The tensor dim ``shard_placement_fn``'s answer (``Shard(dim)`` or None: dim 0) cuts, negative dims
+    counted from the end; a scalar cannot be cut on any dim."""
+    if not shape:
+        raise ValueError(
+            f"fully_shard({name}): parameter '{fqn}' is a scalar and cannot be sharded. Change "
+            f"{fqn.rpartition('.')[2]} to a 1D tensor with numel equal to 1, or pass it in ignored_params"
+        )
+    if placement is None:
+        return 0
+    if not isinstance(placement, shard_type):
+        raise ValueError(
+            f"fully_shard({name}): shard_placement_fn returned {placement!r} for '{fqn}'; it must return "
+            "Shard(dim) or None"
+        )
+    ndim = len(shape)
+    dim = placement.dim + ndim if placement.dim < 0 else placement.dim
+    if not 0 <= dim < ndim:
+        raise out_of_range(
+            f"Shard dim {placement.dim} is invalid for {ndim}D tensor: fully_shard({name}): shard_placement_fn "
+            f"returned Shard({placement.dim}) for '{fqn}' of shape {tuple(shape)}; the dim must be in "
+            f"[-{ndim}, {ndim - 1}]"
+        )
+    return dim
+
+
+# ---------------------------------------------------------------------------------------------- taking over
+def owners_of_params(
+    tops: list[Any],
+    own_params: Callable[[Any], Named],
+    children: Callable[[Any], Named],
+    ignored: frozenset[int] = frozenset(),
+) -> tuple[dict[int, list[tuple[Any, str, str]]], dict[int, Any]]:
+    """Every (module, attribute name, path) holding each parameter under ``tops``, by ``id``.
+
+    Modules that are units already (their own ``fully_shard`` ran) are skipped with everything below them, and
+    so are the parameters in ``ignored``. A parameter held by several modules (tied weights) lists each holder.
+    With several tops (one group of several modules), paths start with ``[i].``.
+    """
+    owners: dict[int, list[tuple[Any, str, str]]] = {}
+    params: dict[int, Any] = {}
+
+    def visit(module: Any, prefix: str, is_top: bool) -> None:
+        if not is_top and hasattr(module, UNIT_ATTR):
+            return
+        for name, param in own_params(module):
+            if param is None or id(param) in ignored:
+                continue
+            params[id(param)] = param
+            owners.setdefault(id(param), []).append((module, name, prefix + name))
+        for child_name, child in children(module):
+            if child is not None:
+                visit(child, f"{prefix}{child_name}.", False)
+
+    for index, top in enumerate(tops):
+        visit(top, f"[{index}]." if len(tops) > 1 else "", True)
+    return owners, params
+
+
+def become_fsdp_module(module: Any, mixin: type, classes: dict[type, type], unit: Unit,
+                       set_attr: Callable = setattr) -> None:
+    """Give ``module`` its unit and the methods an FSDP module has: a dynamic subclass
+    ``FSDP<Class>(mixin, Class)``, made once per class."""
+    set_attr(module, UNIT_ATTR, unit)
+    cls = type(module)
+    if cls not in classes:
+        classes[cls] = type(f"FSDP{cls.__name__}", (mixin, cls), {})
+    module.__class__ = classes[cls]
+
+
+def unit_of(module: Any, caller: str) -> Unit:
+    unit = getattr(module, UNIT_ATTR, None)
+    if unit is None:
+        raise ValueError(f"{caller}: {type(module).__name__} is not an FSDPModule; apply fully_shard to it first")
+    return unit
+
+
+# ---------------------------------------------------------------------------------------------- the methods
+class UnshardHandle:
+    """Returned by ``unshard(async_op=True)``: ``wait()`` completes the gathers, which the next forward uses."""
+
+    def __init__(self, unit: Optional[Unit]) -> None:
+        self._unit = unit
+
+    def wait(self) -> None:
+        if self._unit is not None:
+            for group in self._unit.groups:
+                group.keep_for_next_forward()  # the modules show the unsharded parameters now
+        self._unit = None
+
+
+class FSDPModuleMethods:
+    """The methods every module (cell) ``fully_shard`` was applied to gains, with FSDP2's meaning, on both
+    runtimes. A runtime's ``FSDPModule`` lists its modules (``_modules_in_reach``) and its handle class."""
+
+    unshard_handle = UnshardHandle
+
+    def _modules_in_reach(self, recurse: bool) -> Iterable[Any]:
+        """This module and, with ``recurse``, every module below it."""
+        raise NotImplementedError
+
+    def _units(self, recurse: bool) -> list[Unit]:
+        return distinct_units(self._modules_in_reach(recurse))
+
+    def _configure(self, recurse: bool, **values: Any) -> None:
+        """Set ``values`` on every group in reach."""
+        for unit in self._units(recurse):
+            for group in unit.groups:
+                for name, value in values.items():
+                    setattr(group, name, value)
+
+    def unshard(self, async_op: bool = False) -> Optional[UnshardHandle]:
+        """Gather this module's parameters now (e.g. to prefetch); the modules show them, and the next forward
+        uses them as they are (while the shards do not change)."""
+        unit = getattr(self, UNIT_ATTR)
+        for group in unit.groups:
+            group.unshard()
+        handle = self.unshard_handle(unit)
+        if async_op:
+            return handle
+        handle.wait()
+        return None
+
+    def reshard(self) -> None:
+        """Free the unsharded parameters and show the shards again."""
+        for group in getattr(self, UNIT_ATTR).groups:
+            group.reshard()
+
+    def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
+        """False: sum gradients locally, no communication (FSDP1's ``no_sync``); the next backward with True
+        reduces the sum."""
+        self._configure(recurse, reduce_grads=bool(requires_gradient_sync),
+                        all_reduce_grads=bool(requires_gradient_sync))
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Context manager form of ``set_requires_gradient_sync(False)``."""
+        self.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            self.set_requires_gradient_sync(True)
+
+    def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
+        """HSDP: False keeps the reduced chunks as owned partial sums, without the replica all-reduce, until a
+        backward with True. No effect on a 1-D mesh, which has no replicas."""
+        self._configure(recurse, all_reduce_grads=bool(requires_all_reduce))
+
+    def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True) -> None:
+        if not isinstance(reshard_after_forward, bool):
+            raise ValueError(f"reshard_after_forward must be a bool, got {type(reshard_after_forward).__name__}")
+        for unit in self._units(recurse):
+            unit.reshard_after_forward = reshard_after_forward
+
+    def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
+        """False keeps the parameters gathered after backward for the next forward, which uses them while the
+        shards do not change (FSDP2's meaning)."""
+        after = AfterBackward.RESHARD if reshard_after_backward else AfterBackward.KEEP_GATHERED
+        self._configure(recurse, after_backward=after)
+
+    def set_modules_to_forward_prefetch(self, modules: list[Any]) -> None:
+        """Start these modules' gathers right after this module's, in forward."""
+        getattr(self, UNIT_ATTR).forward_prefetch = [unit_of(m, "set_modules_to_forward_prefetch") for m in modules]
+
+    def set_modules_to_backward_prefetch(self, modules: list[Any]) -> None:
+        """Start these modules' gathers right after this module's, in backward."""
+        getattr(self, UNIT_ATTR).backward_prefetch = [unit_of(m, "set_modules_to_backward_prefetch") for m in modules]
+
+    def set_gradient_divide_factor(self, factor: float) -> None:
+        """Divide this module's reduced gradients by ``factor`` instead of the data-parallel size (1.0 gives a
+        sum). Its own parameters only, as in FSDP2: call it on every sharded module to change them all."""
+        if not factor > 0:
+            raise ValueError(f"gradient divide factor must be > 0, got {factor}")
+        self._configure(False, divide_factor=float(factor))
+
+    def set_is_last_backward(self, is_last_backward: bool) -> None:
+        """Accepted for FSDP2 compatibility; nothing to do: every backward already completes its reductions
+        and keeps no prefetch state across backward passes."""
+
+    def set_unshard_in_backward(self, unshard_in_backward: bool) -> None:
+        """False: do not gather this module's parameters for backward, because no backward op reads them (e.g.
+        an embedding, whose weight gradient needs only the indices)."""
+        self._configure(False, unshard_in_backward=bool(unshard_in_backward))
+
+    def set_reduce_scatter_unused_params(self, reduce_scatter_unused_params: bool, *, recurse: bool = True) -> None:
+        """True: for units whose gradients may reach some ranks and not others in a step (conditional branches,
+        a mixture of experts whose experts are units of their own).
+
+        Such a unit reduces at the end of backward, in module order on every rank (a rank where no gradient
+        arrived takes part with zeros), keeps its parameters gathered from forward to the end of backward (a
+        gather in backward would be a collective that the ranks without that backward never join), and its
+        parameters get a gradient (zero where no rank had one). Parameters that share a bucket or a unit with
+        parameters every rank has gradients for need nothing: their bucket is reduced on every rank anyway.
+        """
+        self._configure(recurse, reduce_unused_params=bool(reduce_scatter_unused_params))
+
+    def reset_iter_state(self) -> None:
+        """Abandon the step in flight: drop its pending reductions and gradients, reshard every unit (call on
+        the root). Not needed after a forward or backward that raised: the next forward starts clean."""
+        getattr(self, UNIT_ATTR).reset_step()
