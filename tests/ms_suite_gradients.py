@@ -166,6 +166,12 @@ def _freeze_from_step_1(net, step):
         net.layers[1].fc1.weight.requires_grad = False
 
 
+def _unit_frozen_from_step_1(net, step):
+    if step == 1:
+        for param in net.layers[1].get_parameters():
+            param.requires_grad = False  # a whole unit, e.g. after a warm-up
+
+
 def _frozen_until_step_1(net, step):
     net.layers[0].norm.gamma.requires_grad = step >= 1
 
@@ -189,6 +195,7 @@ CASES = {
     "hook_observes": Case(prepare=_hooks(replace=False)),
     "hook_replaces": Case(prepare=_hooks(replace=True)),
     "frozen_after_wrap": Case(before_step=_freeze_from_step_1),
+    "unit_frozen_after_wrap": Case(before_step=_unit_frozen_from_step_1),
     "unfrozen_after_wrap": Case(build=lambda: _frozen_at_build(TinyLM()), before_step=_frozen_until_step_1),
     "subset_asked": Case(asks=lambda net: [p for p in net.get_parameters() if p.name.startswith("layers.")]),
     "accumulation_without_sync": Case(micro_batches=2),

@@ -240,8 +240,11 @@ def bf16_model_sends_bf16_gradients():
     finally:
         dist.isend = original
     num_params = sum(p.numel() for p in model.parameters())
+    # every rank's chunk of a fused bucket ends with its presence counts (one per member), bf16 too
+    presence = world * sum(len(b.members) for m in model.modules() if hasattr(m, "_fullshard_unit")
+                           for b in m._fullshard_unit.group.plan.reduce_buckets if b.presence_offset is not None)
     assert sent_dtypes == {torch.bfloat16}, sent_dtypes
-    assert traffic_bytes()["reduce_scatter"] == 2 * num_params, (traffic_bytes(), num_params)
+    assert traffic_bytes()["reduce_scatter"] == 2 * (num_params + presence), (traffic_bytes(), num_params)
     assert all(p.grad.dtype == torch.float32 for p in model.parameters())
     return sorted(str(d) for d in sent_dtypes)
 

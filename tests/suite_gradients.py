@@ -66,6 +66,8 @@ The cases:
    gathered by its forward, a collective only the ranks that call it would issue (ZeRO-3), and
    its reduction, whatever the strategy, is a collective too; a rank that never ran the unit has
    nothing telling it to join either.
+``unused_parameter``: a layer no forward calls sits in a fused bucket with used ones: no rank has a gradient for
+   it, and it gets none (the bucket's presence counts say so), where the reference has none either.
 7. ``accumulation``: two micro-batches, ``set_requires_gradient_sync(False)`` on the first: no
    reduction and no sharded gradient after it, the whole gradient after the second.
 
@@ -136,6 +138,15 @@ class Net(nn.Module):
             if index not in skip:
                 x = layer(x)
         return self.head(x)
+
+
+class NetWithUnused(Net):
+    """A block holds a layer its forward never calls (a head kept for later, a disabled branch): no rank has a
+    gradient for it, so it gets none, as in the reference, and an optimizer with weight decay leaves it alone."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers[1].unused = nn.Linear(WIDTH, WIDTH)
 
 
 class Expert(nn.Module):
@@ -350,6 +361,7 @@ CASES: dict[str, Case] = {
                           before_step=change_trainability),
     "subset": Case(wrap=wrap_blocks_then_root, loss=subset_loss, unused=subset_unused,
                    optimized=lambda names: [n for n in names if not n.startswith("embed.")]),
+    "unused_parameter": Case(build=NetWithUnused, wrap=wrap_blocks_then_root, loss=plain_loss),
     "moe_in_unit": Case(build=MoENet, wrap=wrap_moe_unit, loss=plain_loss, idle_expert=True),
     "moe_skip_in_unit": Case(build=functools.partial(MoENet, skip_idle=True),
                              wrap=functools.partial(wrap_moe_unit, unused_params=True), loss=plain_loss,
@@ -398,10 +410,11 @@ def assert_fusion(model: nn.Module, fused: bool) -> int:
     return len(buckets)
 
 
-def planned_reductions(model: nn.Module, unused: list) -> tuple[dict[str, int], int, int]:
+def planned_reductions(model: nn.Module, unused: list, no_grad_anywhere: set) -> tuple[dict[str, int], int, int]:
     """Reductions one synced backward issues, by kind, from the plans: each bucket with trainable parameters
     of every unit the step used, reduce-scattered (all-reduced for no_shard), then all-reduced across HSDP
-    replicas. Also those buckets and their trainable parameters, counted."""
+    replicas; a bucket whose every member no rank has a gradient for (``no_grad_anywhere``: names) is not.
+    Also those buckets and their trainable parameters, counted."""
     skipped = {id(unit) for unit in distinct_units(unused)}
     planned = {"reduce_scatter": 0, "all_reduce": 0}
     buckets = params = 0
@@ -409,7 +422,8 @@ def planned_reductions(model: nn.Module, unused: list) -> tuple[dict[str, int], 
         if id(unit) in skipped:
             continue
         for group in unit.groups:
-            trainable = [b for b in group.plan.buckets if group.params[b.members[0]].requires_grad]
+            trainable = [b for b in group.plan.buckets if group.params[b.members[0]].requires_grad
+                         and not all(group.params[i].fqn in no_grad_anywhere for i in b.members)]
             buckets += len(trainable)
             params += sum(len(b.members) for b in trainable)
             if group.replicated:
@@ -527,7 +541,9 @@ def run_case(case: Case, strategy: str, fused: bool, mesh_kind: str) -> dict:
                     if not last:
                         on_every_rank(functools.partial(assert_nothing_reduced, params))
                 issued = reductions_issued()
-            planned, reduced_buckets, reduced_params = planned_reductions(model, case.unused(model, step))
+            no_grad_anywhere = {name for name, p in ref_params.items() if p.grad is None}
+            planned, reduced_buckets, reduced_params = planned_reductions(model, case.unused(model, step),
+                                                                          no_grad_anywhere)
 
             def step_checks():
                 assert issued == planned, f"step {step}: issued {issued}, the plan says {planned}"

@@ -26,6 +26,7 @@ def report_theory(
     collectives: Optional[Collectives] = None,
     replicas: int = 1,
     replica_reduce_bytes: Optional[int] = None,
+    presence_numel: int = 0,
 ) -> dict:
     """Memory, traffic and bytes sent per rank for a model of ``unit_params`` (one entry per fully_shard
     unit, the root's own parameters included) plus ``other_params`` fullshard leaves alone, sharded over
@@ -39,6 +40,7 @@ def report_theory(
         strategy, world, sum(unit_params) + other_params, max(unit_params), root_params,
         param_bytes=param_bytes, optim_bytes=2 * param_bytes if adam else 0, compute_bytes=compute_bytes,
         reduce_bytes=reduce_bytes, replicas=replicas, replica_reduce_bytes=replica_reduce_bytes,
+        presence_numel=presence_numel,
     )
     figures = {"memory": theory["memory"], "traffic": theory["traffic"], "sent": theory["sent"],
                "replica": theory["replica"]}

@@ -24,7 +24,7 @@ from mindspore import Tensor, nn, ops
 
 from fullshard.core.group import Group
 from fullshard.mindspore import buffers, collectives
-from fullshard.mindspore.autograd import no_grad
+from fullshard.mindspore.autograd import no_grad, recording
 from fullshard.mindspore.buckets import Reduction, divided, gather_bucket, member_chunk, reduce_to_chunk
 from fullshard.mindspore.buffers import Kind, Owned
 from fullshard.mindspore.collectives import Comm
@@ -185,8 +185,12 @@ class ParamGroup(Group):
 
     def show(self) -> None:
         """The cells' attributes show the outputs of the node that carries this group in this pass, or else
-        the gathered tensors (no gradient reaches the shards through those)."""
-        shown = self.carried_outputs if self.carried_outputs is not None else self.tensors()
+        the gathered tensors (no gradient reaches the shards through those). In a recorded forward those are
+        cut from autograd's history: they were outputs of a node of an earlier pass (a unit frozen since), and
+        a backward reaching that node again would fail ("backward the graph twice")."""
+        shown = self.carried_outputs
+        if shown is None:
+            shown = tuple(ops.stop_gradient(t) for t in self.tensors()) if recording() else self.tensors()
         for param, tensor in zip(self.in_bucket_order, shown):
             param.show(tensor)
 

@@ -56,6 +56,11 @@ class GroupPlan:
         kinds = tuple(("alone", i) if f.travels_alone else (f.stored_dtype, f.compute_dtype, f.requires_grad)
                       for i, f in enumerate(facts))
         self.buckets: list[BucketLayout] = plan_buckets(self.layouts, fuse_below_numel, kinds)
+        # A bucket's reduction also counts which members any rank had a gradient for, where a rank may have none
+        # for some (a lone member is reduced only where it has one).
+        self.reduce_buckets: list[BucketLayout] = [
+            b.with_presence() if runtime.grads_may_be_absent and not b.is_single else b for b in self.buckets
+        ]
         self._check_dtypes_travel()
         self.gather_plans: list[GatherPlan] = [
             plan_gather(b, self.layouts, cast_needed=facts[b.members[0]].converts_for_compute,

@@ -18,6 +18,7 @@ for any other dim the chunks must be concatenated along ``dim``.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from math import prod
 from typing import Hashable, Optional, Sequence
@@ -134,6 +135,22 @@ class BucketLayout:
     world: int
     # Every member is a row block (``members_are_row_blocks``): packed and unpacked by one fused copy.
     row_blocks: bool = False
+    # A reduction's layout may end each rank's contribution with one count per member (:meth:`with_presence`):
+    # where those counts start; None: none.
+    presence_offset: Optional[int] = None
+
+    def with_presence(self) -> "BucketLayout":
+        """This bucket for a reduction that also tells every rank which members any rank had a gradient for.
+
+        Each rank's contribution ends with one element per member, 1 where this rank holds a gradient and 0
+        where it holds none (zeros stand in for that gradient): the sum each rank receives counts, per member,
+        the ranks that had one. A member no rank had a gradient for then gets none (a reference would leave it
+        without one, and an optimizer skips it), one that some rank had gets the reduced gradient on every rank
+        (MoE experts that some ranks skipped). The counts are a few elements per bucket; they travel, and are
+        counted, with it.
+        """
+        return dataclasses.replace(self, chunk_numel=self.chunk_numel + len(self.members),
+                                   presence_offset=self.chunk_numel)
 
     @property
     def total_numel(self) -> int:

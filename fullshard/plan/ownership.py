@@ -116,12 +116,15 @@ class RuntimeFacts:
     # A parameter's gradient of a later backward is summed into the one it holds (torch's .grad). MindSpore's
     # value_and_grad returns new gradients each call; whatever is kept between calls, fullshard keeps.
     autograd_accumulates: bool = True
+    # A parameter a backward did not reach has no gradient at all (torch: .grad stays None, which optimizers
+    # skip). MindSpore hands zeros for it instead, as a single process would.
+    grads_may_be_absent: bool = True
 
 
 TORCH_RUNTIME = RuntimeFacts()
 MINDSPORE_RUNTIME = RuntimeFacts(
     shard_in_padded_chunk=False, collectives_in_place=False, in_place_arithmetic=False, reclaims_views=False,
-    autograd_accumulates=False,
+    autograd_accumulates=False, grads_may_be_absent=False,
 )
 
 

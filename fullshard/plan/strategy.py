@@ -162,6 +162,7 @@ def per_rank_theory(
     micro_batches: int = 1,
     replicas: int = 1,
     replica_reduce_bytes: Optional[int] = None,
+    presence_numel: int = 0,
 ) -> dict[str, object]:
     """What a rank holds and moves per step, the one place every report takes the ZeRO figures from.
 
@@ -172,7 +173,9 @@ def per_rank_theory(
     gradient shard across the replicas (``replica``: its payload and the bytes it sends; it travels in
     ``replica_reduce_bytes``, by default ``reduce_bytes``); ``sent``: :func:`bytes_sent_per_rank` of
     the shard group's traffic over ``world`` ranks and of the replicas' all-reduce over ``replicas``.
-    ``largest_unit`` counts the root's own parameters as a unit too.
+    ``largest_unit`` counts the root's own parameters as a unit too. ``presence_numel``: the counts a rank's
+    chunk of each reduction carries beyond the gradients (``plan.layout.BucketLayout.with_presence``), which
+    travel with the gradients, in their dtype.
     """
     compute = param_bytes if compute_bytes is None else compute_bytes
     memory = peak_state_bytes(
@@ -181,8 +184,11 @@ def per_rank_theory(
     traffic = traffic_bytes_per_step(strategy, world, num_params, root_params, compute, reduce_bytes)
     if strategy is Strategy.OPTIM_GRADS_PARAMS:
         traffic["all_gather"] *= micro_batches
+    if world > 1:  # each rank's chunk of a reduction, times the ranks: a reduce-scatter's (or all-reduce's) buffer
+        kind = "all_reduce" if strategy is Strategy.NO_SHARD else "reduce_scatter"
+        traffic[kind] += float(presence_numel * (1 if strategy is Strategy.NO_SHARD else world) * reduce_bytes)
     sent = bytes_sent_per_rank(traffic, world)
-    replica = replica_all_reduce(strategy, world, num_params, replicas,
+    replica = replica_all_reduce(strategy, world, num_params + presence_numel * world, replicas,
                                  reduce_bytes if replica_reduce_bytes is None else replica_reduce_bytes)
     traffic["all_reduce"] += replica["all_reduce"]
     return {"memory": memory, "traffic": traffic, "sent": sent + replica["sent"], "replica": replica}

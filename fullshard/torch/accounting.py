@@ -95,6 +95,9 @@ def memory_report(model: nn.Module, optimizer: Optional[torch.optim.Optimizer] =
             reduce_bytes=_element_size(wire), adam=isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)),
             # HSDP: the reduced shards are summed across the replicas in the reduce dtype
             replicas=group.replicas, replica_reduce_bytes=_element_size(group.reduce_dtype(0)),
+            # the counts of which members a rank had gradients for, in every fused bucket a reduction carries
+            presence_numel=sum(len(b.members) for s in states if s.group is not None for b in s.group.plan.reduce_buckets
+                               if b.presence_offset is not None and s.group.params[b.members[0]].requires_grad),
         )
         report["theory"] = {"memory": theory["memory"], "traffic": theory["traffic"]}
     return report

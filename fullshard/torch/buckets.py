@@ -51,11 +51,20 @@ def pack_rank_chunks(
     flat: torch.Tensor, bucket: BucketLayout, params: Sequence[ShardedParam],
     fulls: Sequence[Optional[torch.Tensor]], ranks: Optional[range] = None,
 ) -> None:
-    """Write each full tensor's chunks for ``ranks`` into a rank-major buffer (padding zeroed; None: zeros)."""
+    """Write each full tensor's chunks for ``ranks`` into a rank-major buffer (padding zeroed; None: zeros), and,
+    for a layout with presence counts, 1 for each member this rank holds a tensor for, else 0."""
     ranks = ranks if ranks is not None else range(bucket.world)
+    rows_of = flat.view(len(ranks), bucket.chunk_numel)
+    if bucket.presence_offset is not None:
+        held = torch.tensor([float(full is not None) for full in fulls], dtype=flat.dtype, device=flat.device)
+        rows_of[:, bucket.presence_offset:] = held
     if bucket.row_blocks and all(full is not None for full in fulls):
         rows = [full.reshape(bucket.world, -1)[ranks.start : ranks.stop] for full in fulls]
-        torch.cat(rows, dim=1, out=flat.view(len(ranks), bucket.chunk_numel))  # casts to the buffer's dtype
+        end = bucket.presence_offset if bucket.presence_offset is not None else bucket.chunk_numel
+        if end == bucket.chunk_numel:
+            torch.cat(rows, dim=1, out=rows_of)  # casts to the buffer's dtype
+        else:
+            rows_of[:, :end] = torch.cat(rows, dim=1)
         return
     for index, (param, full) in enumerate(zip(params, fulls)):
         layout = param.layout
@@ -202,6 +211,7 @@ class PendingReduce:
     bucket: BucketLayout
     plan: ReducePlan
     params: list
+    held_here: list[bool]  # per member: this rank had a gradient for it
     divide_factor: float
     label: str
     # Set for HSDP: called with the reduce-scatter output once it is complete;
@@ -224,12 +234,10 @@ class PendingReduce:
                 _run_hook(self.hook, out, self.hook_stream)  # it may write: the buffer is fullshard's to lend
             if self.divide_factor != 1:
                 out.div_(self.divide_factor)
+            had_grad = self._had_grad(out)
             for index, param in enumerate(self.params):
-                if not param.requires_grad:
-                    continue  # frozen since the plan was made
-                # Every trainable member gets the reduced gradient, also one this rank had none for (an MoE
-                # expert without tokens here): its zeros were summed with the other ranks' gradients, and every
-                # rank must step on the same value. A parameter no rank used gets zeros, not None.
+                if not param.requires_grad or not had_grad[index]:
+                    continue  # frozen since the plan was made; or no rank had a gradient: none, as a reference
                 layout = param.layout
                 start = self.bucket.offsets[index]
                 if self.plan.sharded_grad is ShardedGrad.VIEW_OF_OUTPUT:
@@ -250,6 +258,14 @@ class PendingReduce:
         else:
             self.output.reclaim()
         self.output = None
+
+    def _had_grad(self, out: torch.Tensor) -> list[bool]:
+        """Per member: whether any rank had a gradient for it. A member this rank had one for, yes; one it had
+        none for, what the presence counts say (read only then: on a GPU, a read waits for the device)."""
+        if all(self.held_here) or self.bucket.presence_offset is None:
+            return list(self.held_here)
+        counts = out[self.bucket.presence_offset:self.bucket.presence_offset + len(self.params)].tolist()
+        return [held or count > 0 for held, count in zip(self.held_here, counts)]
 
     def abandon(self) -> None:
         """The step is abandoned: let the transfer end, then let go of the buffers. If it failed it
@@ -303,6 +319,7 @@ def reduce_bucket(
     all-reduced in place and becomes the output.
     """
     device = params[0].device
+    held = [g is not None for g in grads]
     with torch.no_grad():
         if plan.input is Ownership.BORROWED:
             source: Owned | Borrowed = buffers.borrow(grads[0].view(-1), f"gradient of {label}")
@@ -316,7 +333,7 @@ def reduce_bucket(
             work = collectives.all_reduce_sum(exchange, source.writable("all-reduce in place"), group)
             if exchange is not Exchange.LOCAL:
                 count("all_reduce", source.nbytes)
-            return PendingReduce(work, [], source, bucket, plan, list(params), divide_factor, label)
+            return PendingReduce(work, [], source, bucket, plan, list(params), held, divide_factor, label)
         read = (*grads, source.tensor)  # what the reduction reads on this rank
         output = buffers.allocate(bucket.chunk_numel, reduce_dtype, device, f"reduce-scatter output of {label}",
                                   sources=read)
@@ -331,4 +348,5 @@ def reduce_bucket(
         )
         if exchange is not Exchange.LOCAL:
             count("reduce_scatter", source.tensor.numel() * source.tensor.element_size())
-    return PendingReduce(work, [source, *scratch], output, bucket, plan, list(params), divide_factor, label)
+    return PendingReduce(work, [source, *scratch], output, bucket, plan, list(params), held, divide_factor,
+                         label)

@@ -386,10 +386,11 @@ class ParamGroup(Group):
         if all(g is None for g in grads):
             return None
         present = [g for g in grads if g is not None]
-        first = plan.buckets[index].members[0]
+        bucket = plan.reduce_buckets[index]
+        first = bucket.members[0]
         reduce_dtype = self.reduce_dtype(first)
         wire = getattr(torch, plan.wire_dtype(first, self.replicated, self.accumulated_without_sync))
-        reduction_plan = plan_reduce(plan.buckets[index], plan.layouts, ReduceFacts(
+        reduction_plan = plan_reduce(bucket, plan.layouts, ReduceFacts(
             grad_dtype_is_wire_dtype=all(g.dtype == wire for g in present),
             # only a plain, contiguous gradient is a collective's buffer as it is (a subclass is packed)
             grads_contiguous=all(is_plain(g) and g.is_contiguous() for g in present),
@@ -397,7 +398,7 @@ class ParamGroup(Group):
             all_reduce=self.replicated, offloaded=members[0].offloaded, exchange=plan.collectives.reduce,
         ))
         reduction = reduce_bucket(
-            plan.buckets[index], reduction_plan, members, grads, reduce_dtype, wire, self.process_group, divide,
+            bucket, reduction_plan, members, grads, reduce_dtype, wire, self.process_group, divide,
             plan.labels[index], plan.collectives.reduce, plan.reduce_tags[index], all_reduce=self.replicated,
             comm=self.custom_reduce_scatter,
         )
