@@ -34,9 +34,9 @@ from torch.utils._pytree import tree_map
 
 import fullshard.core.traffic as traffic_meter
 from fullshard import FSDPModule
-from fullshard.core import atomic, manifest
-from fullshard.core.rank_failures import RanksFailed
-from fullshard.core.untrusted import CheckpointError
+from fullshard.checkpoint import manifest, publish
+from fullshard.checkpoint.publish import RanksFailed
+from fullshard.checkpoint.untrusted import CheckpointError
 from fullshard.torch.checkpoint import load_checkpoint, load_into, latest_step, save_atomic, step_dir
 from fullshard.models.gpt import GPT, GPTConfig
 from tests.parity import gpt_batch, gpt_loss, mesh_1d, shard_blocks_then_root
@@ -579,7 +579,7 @@ def failed_publish_fails_the_save_on_every_rank():
             raise OSError(errno.EBUSY, "Device or resource busy", str(source))
         return real_replace(source, target)
 
-    fault = _fails_on(0, atomic.os, "replace", busy)
+    fault = _fails_on(0, publish.os, "replace", busy)
     return _failed_save_then_training_goes_on("publish", fault, "writing the manifest of", 0,
                                               "OSError: [Errno 16] Device or resource busy", latest_after=2)
 

@@ -18,8 +18,8 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
-from fullshard.core import manifest
-from fullshard.core.untrusted import CheckpointError
+from fullshard.checkpoint import manifest
+from fullshard.checkpoint.untrusted import CheckpointError
 from fullshard.torch.checkpoint import (
     export_full,
     latest_step,

@@ -14,10 +14,10 @@ import tracemalloc
 
 import pytest
 
-from fullshard.core import canonical_json, manifest
-from fullshard.core.layout_checks import check_key_paths, check_ranges, check_tiling
-from fullshard.core.pickle_scan import check_pickle
-from fullshard.core.untrusted import CheckpointError, plain_file_name, read_whole, regular_file
+from fullshard.checkpoint import manifest
+from fullshard.checkpoint.files import plain_file_name, read_whole, regular_file
+from fullshard.checkpoint.manifest import dumps_canonical, loads_canonical
+from fullshard.checkpoint.untrusted import CheckpointError, check_key_paths, check_pickle, check_ranges, check_tiling
 
 CKPT = "/ckpt/step_1"
 
@@ -35,16 +35,16 @@ def test_checkpoint_error_is_a_value_error_naming_checkpoint_and_file():
 # ---------------------------------------------------------------------- canonical JSON
 def test_canonical_json_round_trips_and_refuses_every_other_spelling():
     document = {"b": [1, None, True], "a": {"y": "z"}}
-    data = canonical_json.dumps(document)
+    data = dumps_canonical(document)
     assert data == b'{"a":{"y":"z"},"b":[1,null,true]}'
-    assert canonical_json.loads(data, CKPT, "f.json") == document
+    assert loads_canonical(data, CKPT, "f.json") == document
     for other in (b'{"a": {"y":"z"},"b":[1,null,true]}',  # a space
                   b'{"b":[1,null,true],"a":{"y":"z"}}',  # key order
                   b'{"a":{"y":"z"},"a":{"y":"z"},"b":[1,null,true]}',  # a duplicated key
                   data + b"\n", b'{"a":NaN}', b'{"a":1e0}', '{"a":"\u00e9"}'.encode(),
                   b"[" * 100_000 + b"]" * 100_000, b"\xff", b""):
         with pytest.raises(CheckpointError, match="f.json") as caught:
-            canonical_json.loads(other, CKPT, "f.json")
+            loads_canonical(other, CKPT, "f.json")
         assert CKPT in str(caught.value)
 
 
@@ -116,9 +116,9 @@ def test_a_symlink_to_an_identical_copy_is_refused(listed, tmp_path_factory):
 
 def test_the_manifest_checks_its_own_digest_and_framework(listed):
     path = listed / manifest.MANIFEST_FILE
-    document = canonical_json.loads(path.read_bytes(), CKPT, "m")
+    document = loads_canonical(path.read_bytes(), CKPT, "m")
     document["save_id"] = "save-2"  # any field changed: the digest no longer matches
-    path.write_bytes(canonical_json.dumps(document))
+    path.write_bytes(dumps_canonical(document))
     with pytest.raises(CheckpointError, match="does not match its own digest"):
         manifest.verify(listed)
     manifest.write(listed, "torch", "save-1")

@@ -40,9 +40,9 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.state_dict import set_state_dict
 
 from fullshard import cli
-from fullshard.core import manifest
+from fullshard.checkpoint import manifest
 from fullshard.core.procs import free_port
-from fullshard.core.untrusted import CheckpointError
+from fullshard.checkpoint.untrusted import CheckpointError
 from fullshard.torch.checkpoint import export_full, load_checkpoint
 from fullshard.train import worker
 from fullshard.train.config import TrainConfig

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from fullshard.core.atomic import latest_step
+from fullshard.checkpoint.publish import latest_step
 from fullshard.core.procs import descendants, free_port
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -276,8 +276,8 @@ def test_the_mindspore_2x2_checkpoint_resumes_on_one_node_of_2(ms_hsdp, tmp_path
 
 def test_a_killed_mindspore_node_fails_the_other_fast_naming_its_ranks(tmp_path):
     pytest.importorskip("mindspore")
-    from fullshard.core import shardfiles
-    from fullshard.core.tensorfile import TensorFile
+    from fullshard.checkpoint.formats import sharded_safetensors
+    from fullshard.checkpoint.formats.safetensors_file import TensorFile
 
     nodes = fullshard_nodes(tmp_path, "--framework", "mindspore", "--steps", "20",
                             "--checkpoint-dir", str(tmp_path / "ckpt"), "--checkpoint-every", "1")
@@ -288,7 +288,7 @@ def test_a_killed_mindspore_node_fails_the_other_fast_naming_its_ranks(tmp_path)
         nodes.stop()
     _assert_lost_node_1(nodes, elapsed, err, left, tmp_path / "ckpt")
     last = tmp_path / "ckpt" / f"step_{latest_step(tmp_path / 'ckpt')}"
-    shardfiles.export_full(last, tmp_path / "gpt.safetensors")  # every shard of it reads back
+    sharded_safetensors.export_full(last, tmp_path / "gpt.safetensors")  # every shard of it reads back
     assert "wte.embedding_table" in TensorFile(tmp_path / "gpt.safetensors").names()
 
 

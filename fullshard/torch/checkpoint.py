@@ -2,8 +2,8 @@
 
 A checkpoint is a DCP directory ``step_<N>``. It is written as
 ``step_<N>.partial`` by every rank; once all ranks finished, rank 0 writes
-the manifest (size and SHA-256 of every file, :mod:`fullshard.core.manifest`)
-and publishes the directory (:mod:`fullshard.core.atomic`), so a crash at
+the manifest (size and SHA-256 of every file, :mod:`fullshard.checkpoint.manifest`)
+and publishes the directory (:mod:`fullshard.checkpoint.publish`), so a crash at
 any point leaves a complete checkpoint that :func:`latest_step` and every
 loader find.
 
@@ -14,7 +14,7 @@ range: storage file names are plain names of regular files in the
 directory, every chunk lies inside its tensor's shape and the chunks tile
 it, every stored byte range lies inside its file, key paths build one
 bounded nesting. Anything wrong is a
-:class:`~fullshard.core.untrusted.CheckpointError` (a ``ValueError``) naming
+:class:`~fullshard.checkpoint.untrusted.CheckpointError` (a ``ValueError``) naming
 the file. It then compares the metadata with the state to fill and raises
 one ``CheckpointError`` listing every missing or unexpected key and every
 shape, dtype or kind mismatch, before any collective starts (every rank
@@ -27,7 +27,7 @@ Loading never runs code from the checkpoint. Stock DCP unpickles the
 ``torch.load(weights_only=False)``, both of which execute whatever a crafted
 file asks for; here the metadata's opcodes are scanned first (no count in
 it may ask for more memory than the file holds,
-:mod:`fullshard.core.pickle_scan`), then it goes through an unpickler that
+:func:`fullshard.checkpoint.untrusted.check_pickle`), then it goes through an unpickler that
 only builds DCP's own metadata classes and torch sizes/dtypes, and
 non-tensor values must pass ``torch.load(weights_only=True)``. Tensor data
 is already read with ``weights_only=True`` by DCP.
@@ -67,12 +67,12 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from fullshard.core import manifest
+from fullshard.checkpoint import manifest
+from fullshard.checkpoint.files import plain_file_name, read_whole, regular_file
+from fullshard.checkpoint.publish import latest_step, resolve, save_together, step_dir  # noqa: F401 (latest_step: public here)
+from fullshard.checkpoint.untrusted import (CheckpointError, check_key_paths, check_pickle, check_ranges, check_shape,
+                                            check_tiling, is_int, show)
 from fullshard.core.agreement import Ranks
-from fullshard.core.atomic import latest_step, resolve, save_together, step_dir  # noqa: F401 (latest_step: public here)
-from fullshard.core.layout_checks import check_key_paths, check_ranges, check_shape, check_tiling
-from fullshard.core.pickle_scan import check_pickle
-from fullshard.core.untrusted import CheckpointError, is_int, plain_file_name, read_whole, regular_file, show
 from fullshard.torch.collectives import ranks_summing_over
 
 # DCP's name for the metadata file (``filesystem._metadata_fn``, private there).
@@ -102,8 +102,8 @@ def save_atomic(state: dict[str, Any], root: Path, step: int) -> Path:
     machines). DCP fsyncs its files; rank 0 then reads every file once to
     write the manifest, and publishes the directory (fsynced too), so after a
     crash ``step_<N>`` or the copy beside it is complete. A failure on any
-    rank raises :class:`~fullshard.core.rank_failures.RanksFailed` on every
-    rank, naming it (:func:`~fullshard.core.atomic.save_together`); alone,
+    rank raises :class:`~fullshard.checkpoint.publish.RanksFailed` on every
+    rank, naming it (:func:`~fullshard.checkpoint.publish.save_together`); alone,
     the error itself.
     """
     ranks = _ranks()
@@ -197,7 +197,7 @@ def _checked_metadata(directory: Path, verified: Optional[manifest.Manifest]) ->
 
 
 def open_metadata(path: Union[str, Path], *, require_manifest: bool = True) -> tuple[Path, Metadata]:
-    """The directory checkpoint ``path`` is loaded from (:func:`~fullshard.core.atomic.resolve`) and its
+    """The directory checkpoint ``path`` is loaded from (:func:`~fullshard.checkpoint.publish.resolve`) and its
     metadata: the manifest verified (absent: CheckpointError unless ``require_manifest`` is False), every
     field checked. Reads nothing but the checkpoint's own files."""
     directory = resolve(path)
@@ -519,7 +519,7 @@ def load_into(state: dict[str, Any], root: Path, step: int, *, strict: bool = Tr
 def _set_path(root: dict, path: tuple, value: Any) -> None:
     """``root[path[0]][path[1]]... = value``, creating dicts (str keys) and lists (int keys) on the way.
 
-    The paths come from checked metadata (:func:`~fullshard.core.layout_checks.check_key_paths`): bounded
+    The paths come from checked metadata (:func:`~fullshard.checkpoint.untrusted.check_key_paths`): bounded
     indices, no path through another's leaf, one kind of key per container.
     """
     container: Any = root

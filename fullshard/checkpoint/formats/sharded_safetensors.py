@@ -13,16 +13,16 @@ A checkpoint directory holds
   (``dim`` null for a whole one);
 - ``fullshard.json``: the format, the world size, the save's id, the rank
   files, and per entry its global shape, dtype and the dim it was cut along;
-- ``fullshard.manifest.json``, written last (:mod:`fullshard.core.manifest`):
+- ``fullshard.manifest.json``, written last (:mod:`fullshard.checkpoint.manifest`):
   the size and SHA-256 of each of the others.
 
 Entry keys are ``model/<parameter name>`` and ``optim/<state name>``. Nothing
-is unpickled: loading parses JSON (canonical, :mod:`fullshard.core.canonical_json`)
+is unpickled: loading parses JSON (canonical, :func:`~fullshard.checkpoint.manifest.loads_canonical`)
 and copies bytes. Opening a checkpoint verifies the manifest, then checks
 every field of ``fullshard.json`` and of every rank file's header and slices
 against each other (the pieces of each entry must tile its shape), before a
 single tensor is read; anything wrong is a
-:class:`~fullshard.core.untrusted.CheckpointError` naming the file.
+:class:`~fullshard.checkpoint.untrusted.CheckpointError` naming the file.
 """
 from __future__ import annotations
 
@@ -33,12 +33,12 @@ from typing import Any, Iterable, Optional, Union
 
 import numpy as np
 
-from fullshard.core import canonical_json, manifest
-from fullshard.core.atomic import resolve
-from fullshard.core.durable import fsync_dir, write_file_durably
-from fullshard.core.layout_checks import check_shape, check_tiling
-from fullshard.core.tensorfile import CODES, HOLDERS, Array, TensorFile, save_file
-from fullshard.core.untrusted import CheckpointError, is_int, read_whole, show
+from fullshard.checkpoint import manifest
+from fullshard.checkpoint.files import fsync_dir, read_whole, write_file_durably
+from fullshard.checkpoint.formats.safetensors_file import CODES, HOLDERS, Array, TensorFile, save_file
+from fullshard.checkpoint.manifest import dumps_canonical, loads_canonical
+from fullshard.checkpoint.publish import resolve
+from fullshard.checkpoint.untrusted import CheckpointError, check_shape, check_tiling, is_int, show
 
 FORMAT = "fullshard-sharded-safetensors"
 VERSION = 2
@@ -91,7 +91,7 @@ def write_rank(directory: Path, rank: int, pieces: Iterable[Piece]) -> None:
             continue  # an empty chunk adds nothing
         tensors[piece.key] = piece.data
         slices[piece.key] = [piece.dim, piece.offset, piece.length]
-    save_file(tensors, Path(directory) / rank_file(rank), {"slices": canonical_json.dumps(slices).decode()})
+    save_file(tensors, Path(directory) / rank_file(rank), {"slices": dumps_canonical(slices).decode()})
 
 
 def write_metadata(directory: Path, world_size: int, pieces: Iterable[Piece], save_id: str) -> None:
@@ -99,7 +99,7 @@ def write_metadata(directory: Path, world_size: int, pieces: Iterable[Piece], sa
     entries = {p.key: {"shape": list(p.shape), "dtype": p.dtype, "dim": p.dim} for p in pieces}
     document = {"format": FORMAT, "version": VERSION, "framework": FRAMEWORK, "world_size": world_size,
                 "save_id": save_id, "files": [rank_file(r) for r in range(world_size)], "entries": entries}
-    write_file_durably(Path(directory) / METADATA_FILE, canonical_json.dumps(document))
+    write_file_durably(Path(directory) / METADATA_FILE, dumps_canonical(document))
     fsync_dir(Path(directory))
 
 
@@ -117,7 +117,7 @@ class Entry:
 class ShardedCheckpoint:
     """A checkpoint directory, verified and every field of it checked; tensors are read on demand.
 
-    ``path`` is resolved as every loader resolves it (:func:`fullshard.core.atomic.resolve`).
+    ``path`` is resolved as every loader resolves it (:func:`fullshard.checkpoint.publish.resolve`).
     """
 
     def __init__(self, path: Union[str, Path]) -> None:
@@ -125,7 +125,7 @@ class ShardedCheckpoint:
         if not self.path.is_dir():
             raise CheckpointError.at(self.path, "does not exist (no checkpoint directory there)")
         self.manifest = manifest.verify(self.path, FRAMEWORK)
-        document = canonical_json.loads(read_whole(self.path, METADATA_FILE, self.path, _MAX_METADATA_BYTES),
+        document = loads_canonical(read_whole(self.path, METADATA_FILE, self.path, _MAX_METADATA_BYTES),
                                         self.path, METADATA_FILE)
         self.world_size, self.entries = self._check_document(document)
         self._files = [self._open_rank(rank) for rank in range(self.world_size)]
@@ -179,7 +179,7 @@ class ShardedCheckpoint:
         handle = TensorFile(self.path / name, self.path)
         if set(handle.metadata) != {"slices"}:
             raise self._bad(f"has __metadata__ keys {show(sorted(handle.metadata))}, expected ['slices']", name)
-        slices = canonical_json.loads(handle.metadata["slices"].encode("utf-8", "replace"), self.path,
+        slices = loads_canonical(handle.metadata["slices"].encode("utf-8", "replace"), self.path,
                                       f"{name} (its slices)")
         if not isinstance(slices, dict) or set(slices) != set(handle.names()):
             raise self._bad("its slices do not name exactly the tensors it holds", name)

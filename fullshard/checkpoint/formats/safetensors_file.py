@@ -7,7 +7,7 @@ in a file can run code. Every header entry is checked against the file
 (known dtype, whole shape, offsets inside the data and of the right length,
 the data filled exactly) before any data is read, and a file that breaks a
 rule is refused (:class:`TensorFileError`, a
-:class:`~fullshard.core.untrusted.CheckpointError`) with the entry it broke
+:class:`~fullshard.checkpoint.untrusted.CheckpointError`) with the entry it broke
 it in. The header is canonical JSON, so no byte of it can change unnoticed.
 
 numpy has no bfloat16: such tensors go in and come out as ``uint16`` arrays
@@ -24,9 +24,9 @@ from typing import Optional, Union
 
 import numpy as np
 
-from fullshard.core import canonical_json
-from fullshard.core.layout_checks import check_shape
-from fullshard.core.untrusted import CheckpointError, is_int, open_regular, show
+from fullshard.checkpoint.files import open_regular
+from fullshard.checkpoint.manifest import dumps_canonical, loads_canonical
+from fullshard.checkpoint.untrusted import CheckpointError, check_shape, is_int, show
 
 # safetensors' dtype codes, by the names fullshard's planning code uses.
 CODES = {
@@ -74,7 +74,7 @@ def save_file(tensors: dict[str, Array], path: Union[str, Path], metadata: Optio
         header[name] = {"dtype": CODES[array.dtype], "shape": list(data.shape), "data_offsets": [offset, offset + len(blob)]}
         blobs.append(blob)
         offset += len(blob)
-    encoded = canonical_json.dumps(header)
+    encoded = dumps_canonical(header)
     encoded += b" " * (-len(encoded) % 8)  # the data starts 8-byte aligned
     with open(path, "wb") as handle:
         handle.write(struct.pack("<Q", len(encoded)))
@@ -96,7 +96,7 @@ class _Entry:
 class TensorFile:
     """One safetensors file written by fullshard, its header checked; tensors are read one at a time.
 
-    The header must be canonical JSON (:mod:`fullshard.core.canonical_json`)
+    The header must be canonical JSON (:func:`~fullshard.checkpoint.manifest.loads_canonical`)
     padded with at most 7 spaces to 8 bytes, as :func:`save_file` writes it,
     and its tensors' data must fill the rest of the file exactly, in order,
     without gaps or overlaps.
@@ -117,7 +117,7 @@ class TensorFile:
         text = encoded.rstrip(b" ")
         if len(encoded) != length or len(encoded) - len(text) != -len(text) % 8:
             raise self._error("has a header that is not padded as fullshard pads it")
-        header = canonical_json.loads(text, self._checkpoint, self.path.name)
+        header = loads_canonical(text, self._checkpoint, self.path.name)
         if not isinstance(header, dict):
             raise self._error("has a header that is not a JSON object")
         self._data_start = 8 + length
