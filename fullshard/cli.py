@@ -252,8 +252,7 @@ def _check_run_record(cfg) -> None:
 def _check_resumable(checkpoint_dir: str, framework: str) -> int:
     """The step of the checkpoint ``--resume`` will load, checked here as the workers will check it: a bad one
     is one line before any worker starts, not a worker's traceback."""
-    from fullshard.checkpoint.publish import latest_step, step_dir
-    from fullshard.checkpoint.untrusted import CheckpointError
+    from fullshard.checkpoint import CheckpointError, latest_step, step_dir
 
     step = latest_step(checkpoint_dir)
     if step is None:
@@ -408,7 +407,7 @@ def export(args) -> int:
 
     Every problem with the checkpoint is one line (a UsageError), never a traceback.
     """
-    from fullshard.checkpoint.untrusted import CheckpointError
+    from fullshard.checkpoint import CheckpointError
 
     if args.framework not in ("auto", "torch", "mindspore"):
         raise UsageError(f"unknown --framework {args.framework!r}; choose auto, torch or mindspore")
@@ -431,7 +430,7 @@ def _resolved_checkpoint(path: str) -> Path:
     """The directory ``path`` is loaded from, as every loader finds it; a recovered one is said in one line."""
     import warnings
 
-    from fullshard.checkpoint.publish import RecoveredCheckpointWarning, resolve
+    from fullshard.checkpoint import RecoveredCheckpointWarning, resolve
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", RecoveredCheckpointWarning)
@@ -469,9 +468,9 @@ def _export_mindspore(args, path: Path) -> Path:
 
 
 def _export_torch(args, path: Path) -> Path:
-    from fullshard.torch.checkpoint import export_full
+    from fullshard.torch.checkpoint import export_checkpoint
 
-    return export_full(path, args.out, key=args.key or None, require_manifest=not args.without_manifest)
+    return export_checkpoint(path, args.out, key=args.key or None, require_manifest=not args.without_manifest)
 
 
 def format_bytes(nbytes: float) -> str:

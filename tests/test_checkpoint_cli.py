@@ -19,7 +19,8 @@ from fullshard.checkpoint import manifest
 from fullshard.checkpoint.formats import sharded_safetensors
 from fullshard.checkpoint.formats.safetensors_file import Array
 from fullshard.checkpoint.formats.sharded_safetensors import Piece
-from fullshard.torch.checkpoint import save_atomic, step_dir
+from fullshard.checkpoint import step_dir
+from fullshard.torch.checkpoint import save_state_dict
 from fullshard.train.config import RUN_RECORD
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -47,7 +48,7 @@ def _state():
 def torch_root(tmp_path):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        save_atomic(_state(), tmp_path / "ckpt", 3)
+        save_state_dict(_state(), step_dir(tmp_path / "ckpt", 3))
     return tmp_path / "ckpt"
 
 

@@ -66,24 +66,30 @@ def crashing_at(call: int, half_way: bool):
 class TorchFormat:
     name = "torch"
 
-    def save(self, root, value: float) -> None:
-        from fullshard.torch.checkpoint import save_atomic
+    def __init__(self):
+        self.module = torch.nn.Linear(4, 3)
 
+    def save(self, root, value: float) -> None:
+        from fullshard.torch.checkpoint import save_checkpoint
+
+        with torch.no_grad():
+            self.module.weight.fill_(value)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            save_atomic({"model": {"w": torch.full((3, 4), value)}}, root, 1)
+            save_checkpoint(self.module, step_dir(root, 1))
 
     def load(self, root) -> float:
-        from fullshard.torch.checkpoint import load_into
+        from fullshard.torch.checkpoint import load_checkpoint
 
-        state = {"model": {"w": torch.zeros(3, 4)}}
+        with torch.no_grad():
+            self.module.weight.zero_()
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process")
-            load_into(state, root, latest_step(root))
-        return float(state["model"]["w"][0, 0])
+            load_checkpoint(self.module, step_dir(root, latest_step(root)))
+        return float(self.module.weight[0, 0])
 
     def exported(self, out) -> float:
-        return float(torch.load(out, weights_only=True)["w"][0, 0])
+        return float(torch.load(out, weights_only=True)["weight"][0, 0])
 
     suffix = ".pt"
 

@@ -265,3 +265,14 @@ def test_a_cell_that_does_not_fit_is_named(tmp_path):
                                               "float16"):
         fs.load_checkpoint(target, tmp_path / "ckpt")
     assert np.array_equal(target.weight.asnumpy(), before)
+
+
+def test_strict_false_ignores_what_the_cell_does_not_have(tmp_path):
+    """As on torch: strict (the default) names a checkpoint entry the cell lacks; strict=False loads the rest."""
+    saved = nn.Dense(4, 3)
+    fs.save_checkpoint(saved, tmp_path / "ckpt")
+    target = nn.Dense(4, 3, has_bias=False)
+    with pytest.raises(CheckpointError, match="unexpected in checkpoint: parameter 'bias'"):
+        fs.load_checkpoint(target, tmp_path / "ckpt")
+    fs.load_checkpoint(target, tmp_path / "ckpt", strict=False)
+    assert np.array_equal(target.weight.asnumpy(), saved.weight.asnumpy())

@@ -1,5 +1,10 @@
 """Sharded checkpoints of MindSpore cells: full parameters, save, checked load at any layout, export.
 
+The same functions as the torch runtime's (``fullshard.torch.checkpoint``), with the same arguments:
+``save_checkpoint(cell, path, optimizer=None)``, ``load_checkpoint(cell, path, optimizer=None, *,
+strict=True)``, ``export_checkpoint(path, out_file)`` and ``full_state_dict(cell)``; the step
+directories a training job keeps are :mod:`fullshard.checkpoint`'s (``step_dir``, ``latest_step``).
+
 ``save_checkpoint(cell, path, optimizer)`` writes every rank's shards of the
 parameters and of the optimizer state per parameter (``nn.Adam``'s
 ``moment1``/``moment2``, ``nn.AdamWeightDecay``'s ``adam_m``/``adam_v``: any
@@ -135,14 +140,17 @@ def save_checkpoint(cell: nn.Cell, path: Union[str, Path], optimizer: Optional[n
 
 
 # ---------------------------------------------------------------------- loading
-def load_checkpoint(cell: nn.Cell, path: Union[str, Path], optimizer: Optional[nn.Optimizer] = None) -> None:
+def load_checkpoint(cell: nn.Cell, path: Union[str, Path], optimizer: Optional[nn.Optimizer] = None, *,
+                    strict: bool = True) -> None:
     """Fill ``cell`` (and ``optimizer``) from checkpoint directory ``path``, whatever layout saved it.
 
     Raises :class:`~fullshard.checkpoint.untrusted.CheckpointError` (a
     ``ValueError``) for a damaged or crafted checkpoint, naming the file, and
     for one that does not fit, naming every missing, unexpected or different
     parameter (name, global shape, dtype), before anything is written: the
-    cell and optimizer are then untouched. Every rank reads the files itself
+    cell and optimizer are then untouched. Without an optimizer the
+    checkpoint's optimizer state is not read; ``strict=False`` ignores entries
+    the cell (and optimizer) do not have. Every rank reads the files itself
     (no collective). A ``path`` that a crash during its save left missing is
     loaded from the complete copy beside it, with a warning.
     """
@@ -150,7 +158,7 @@ def load_checkpoint(cell: nn.Cell, path: Union[str, Path], optimizer: Optional[n
     targets = _targets(cell, optimizer)
     sections = (MODEL, OPTIM) if optimizer is not None else (MODEL,)
     what = "cell and optimizer" if optimizer is not None else "cell"
-    checkpoint.check({p.key: (p.shape, p.dtype) for p, _ in targets}, sections, what)
+    checkpoint.check({p.key: (p.shape, p.dtype) for p, _ in targets}, sections, what, strict)
     values = []
     for piece, target in targets:  # read everything first: a file that fails to read changes nothing
         try:

@@ -1,39 +1,43 @@
-"""Sharded checkpoints on torch.distributed.checkpoint (DCP): atomic saves, checked and safe loads, export.
+"""Sharded checkpoints of torch modules on torch.distributed.checkpoint (DCP): save, checked load, export.
 
-A checkpoint is a DCP directory ``step_<N>``. It is written as
-``step_<N>.partial`` by every rank; once all ranks finished, rank 0 writes
-the manifest (size and SHA-256 of every file, :mod:`fullshard.checkpoint.manifest`)
-and publishes the directory (:mod:`fullshard.checkpoint.publish`), so a crash at
-any point leaves a complete checkpoint that :func:`latest_step` and every
-loader find.
+The same functions as ``fullshard.mindspore``, with the same arguments:
+:func:`save_checkpoint` ``(module, path, optimizer=None)``,
+:func:`load_checkpoint` ``(module, path, optimizer=None)``,
+:func:`export_checkpoint` ``(path, out_file)`` and :func:`full_state_dict`
+``(module)``; the step directories a training job keeps are
+:mod:`fullshard.checkpoint`'s (``step_dir``, ``latest_step``). A checkpoint
+holds ``{"model": ..., "optim": ...}``: the module's and the optimizer's
+state dicts as ``torch.distributed.checkpoint.state_dict.get_state_dict``
+gives them (keys are parameter names; sharded parameters and their optimizer
+state are DTensors, so each rank writes its own shards), which is what FSDP2
+jobs save: checkpoints go both ways. It loads at any world size, mesh and
+placement, or into a plain module in one process (DCP reshards).
 
-A checkpoint is untrusted input. Loading first verifies the manifest (a
-stock DCP checkpoint has none: ``require_manifest=False`` accepts one, with
-every other check), then checks every field of the metadata for type and
-range: storage file names are plain names of regular files in the
-directory, every chunk lies inside its tensor's shape and the chunks tile
-it, every stored byte range lies inside its file, key paths build one
-bounded nesting. Anything wrong is a
-:class:`~fullshard.checkpoint.untrusted.CheckpointError` (a ``ValueError``) naming
-the file. It then compares the metadata with the state to fill and raises
-one ``CheckpointError`` listing every missing or unexpected key and every
-shape, dtype or kind mismatch, before any collective starts (every rank
-reads the same metadata, so every rank raises and none hangs). DCP
-resharding does the rest: a checkpoint saved at any world size and
-placement loads into any other.
+The same machinery over any state dict, for DCP users:
+:func:`save_state_dict`, :func:`load_state_dict` (fills it in place, like
+``dcp.load``), :func:`load_full_state_dict` (one process, no process group),
+:func:`read_metadata`, :func:`check_compatible`, and the reader and planner
+to hand ``dcp.load`` yourself (:class:`SafeFileSystemReader`,
+:class:`SafeLoadPlanner`). A stock DCP checkpoint (an FSDP2 job's, with no
+fullshard manifest) loads with ``require_manifest=False``.
 
-Loading never runs code from the checkpoint. Stock DCP unpickles the
-``.metadata`` file with ``pickle.load`` and non-tensor values with
-``torch.load(weights_only=False)``, both of which execute whatever a crafted
-file asks for; here the metadata's opcodes are scanned first (no count in
-it may ask for more memory than the file holds,
-:func:`fullshard.checkpoint.untrusted.check_pickle`), then it goes through an unpickler that
-only builds DCP's own metadata classes and torch sizes/dtypes, and
-non-tensor values must pass ``torch.load(weights_only=True)``. Tensor data
-is already read with ``weights_only=True`` by DCP.
+A save is written as ``<path>.partial`` by every rank; once all ranks
+finished, rank 0 writes the manifest (size and SHA-256 of every file,
+:mod:`fullshard.checkpoint.manifest`) and publishes the directory
+(:mod:`fullshard.checkpoint.publish`), so a crash at any point leaves a
+complete checkpoint that ``latest_step`` and every loader find.
 
-:func:`load_full` and :func:`export_full` turn a checkpoint into a full,
-unsharded state dict in one process, without any process group.
+A checkpoint is untrusted input. Loading first verifies the manifest and
+checks every field of the metadata (:mod:`fullshard.torch.checkpoint_metadata`;
+anything wrong is a :class:`~fullshard.checkpoint.untrusted.CheckpointError`,
+a ``ValueError``, naming the file), then compares it with the state to fill
+and raises one ``CheckpointError`` listing every missing or unexpected key
+and every shape, dtype or kind mismatch, before any collective starts (every
+rank reads the same metadata, so every rank raises and none hangs). Loading
+never runs code from the checkpoint: the metadata goes through a restricted
+unpickler, non-tensor values must pass ``torch.load(weights_only=True)``
+(stock DCP uses ``torch.load(weights_only=False)``), and tensor data is read
+by DCP with ``weights_only=True``.
 """
 from __future__ import annotations
 
@@ -41,7 +45,7 @@ import io
 import os
 import warnings
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Any, Iterable, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -49,32 +53,96 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, StorageMeta, TensorStorageMetadata
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_state_dict,
+)
 
 from fullshard.checkpoint import manifest
-from fullshard.checkpoint.publish import latest_step, save_together, step_dir  # noqa: F401 (latest_step: public here)
+from fullshard.checkpoint.publish import save_together
 from fullshard.checkpoint.untrusted import CheckpointError
 from fullshard.core.agreement import Ranks
 from fullshard.torch.checkpoint_metadata import FRAMEWORK, METADATA_FILE, checked_metadata, open_metadata
 from fullshard.torch.collectives import ranks_summing_over
 
+# The top-level entries of a module checkpoint (the same sections as MindSpore's).
+MODEL, OPTIM = "model", "optim"
 # At most this many problems are spelled out in one mismatch error.
 _MAX_REPORTED = 20
 
 
-def save_atomic(state: dict[str, Any], root: Path, step: int) -> Path:
-    """Save ``state`` (DTensor state dicts) collectively; the directory appears only when complete.
+# ---------------------------------------------------------------------- modules
+def save_checkpoint(module: torch.nn.Module, path: Union[str, Path],
+                    optimizer: Optional[torch.optim.Optimizer] = None) -> Path:
+    """Save ``module`` (and ``optimizer``'s state) as checkpoint directory ``path``; returns ``path``.
 
-    Every rank must see the same ``root`` (a shared file system on several
-    machines). DCP fsyncs its files; rank 0 then reads every file once to
-    write the manifest, and publishes the directory (fsynced too), so after a
-    crash ``step_<N>`` or the copy beside it is complete. A failure on any
-    rank raises :class:`~fullshard.checkpoint.publish.RanksFailed` on every
-    rank, naming it (:func:`~fullshard.checkpoint.publish.save_together`); alone,
-    the error itself.
+    Call it on every rank (every rank must see the same ``path``: a shared file system on several
+    machines). Each rank writes its shards; the directory appears only when complete, and an
+    interrupted save leaves the previous ``path`` (if any) as it was and a ``<path>.partial`` the next
+    save clears. A failure on any rank raises :class:`~fullshard.checkpoint.publish.RanksFailed` on
+    every rank, naming it; alone, the error itself.
     """
+    return _save(_module_state(module, optimizer), path, "save_checkpoint")
+
+
+def load_checkpoint(module: torch.nn.Module, path: Union[str, Path], optimizer: Optional[torch.optim.Optimizer] = None,
+                    *, strict: bool = True, require_manifest: bool = True) -> None:
+    """Fill ``module`` (and ``optimizer``) from checkpoint directory ``path``, whatever layout saved it.
+
+    Collective when a process group is initialized; a plain module in one process loads too. The
+    checkpoint is checked as untrusted input, then against the module (and optimizer): a
+    :class:`~fullshard.checkpoint.untrusted.CheckpointError` names every missing, unexpected or
+    different entry before anything is read into them. Without an optimizer the checkpoint's
+    optimizer state is not read. ``strict=False`` ignores entries the module does not have;
+    ``require_manifest=False`` also loads a stock DCP checkpoint (an FSDP2 job's: every check but the
+    digests). A ``path`` that a crash during its save left missing is loaded from the complete copy
+    beside it, with a warning.
+    """
+    state = _module_state(module, optimizer)
+    _load(state, path, strict=strict, require_manifest=require_manifest, sections=tuple(state))
+    if optimizer is None:
+        set_model_state_dict(module, state[MODEL])
+    else:
+        set_state_dict(module, optimizer, model_state_dict=state[MODEL], optim_state_dict=state[OPTIM])
+
+
+def full_state_dict(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """``module``'s state dict with every entry whole, on every rank, under the names from before sharding.
+
+    Sharded parameters are gathered from their shards (a collective: call it on every rank); the others
+    come as ``module.state_dict()`` gives them.
+    """
+    return get_model_state_dict(module, options=StateDictOptions(full_state_dict=True))
+
+
+def _module_state(module: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer]) -> dict[str, Any]:
+    """What a checkpoint of ``module`` (and ``optimizer``) holds: DCP's state dicts of them (DTensors where sharded).
+
+    ``get_state_dict`` creates the state of an optimizer that has not stepped yet, so a fresh one can load.
+    """
+    if optimizer is None:
+        return {MODEL: get_model_state_dict(module)}
+    model_state, optim_state = get_state_dict(module, optimizer)
+    return {MODEL: model_state, OPTIM: optim_state}
+
+
+# ---------------------------------------------------------------------- state dicts: saving
+def save_state_dict(state_dict: dict[str, Any], path: Union[str, Path]) -> Path:
+    """Save any DCP state dict (DTensors, tensors, plain values, nested) as checkpoint directory ``path``.
+
+    What :func:`save_checkpoint` does with a module's state: collective, atomic, with a manifest.
+    """
+    return _save(state_dict, path, "save_state_dict")
+
+
+def _save(state: dict[str, Any], path: Union[str, Path], caller: str) -> Path:
+    """DCP fsyncs its files; rank 0 then reads every file once to write the manifest, and publishes the
+    directory (:func:`~fullshard.checkpoint.publish.save_together`)."""
     ranks = _ranks()
-    return save_together(step_dir(root, step), ranks, lambda partial: _dcp_save(state, partial, ranks.slot),
-                         _write_manifest, "save_atomic")
+    return save_together(path, ranks, lambda partial: _dcp_save(state, partial, ranks.slot), _write_manifest, caller)
 
 
 def _ranks() -> Ranks:
@@ -103,11 +171,11 @@ def _write_manifest(partial: Path) -> None:
     metadata = checked_metadata(partial, None)  # what was just written passes every check a load makes
     save_id = getattr(metadata.storage_meta, "save_id", None)
     if not isinstance(save_id, str):
-        raise RuntimeError(f"save_atomic: DCP recorded no save id in {partial / METADATA_FILE}")
+        raise RuntimeError(f"save: DCP recorded no save id in {partial / METADATA_FILE}")
     manifest.write(partial, FRAMEWORK, save_id)
 
 
-# ---------------------------------------------------------------------- safe reading
+# ---------------------------------------------------------------------- state dicts: loading
 class SafeFileSystemReader(dcp.FileSystemReader):
     """``FileSystemReader`` over a checkpoint checked as untrusted input before DCP sees any of it.
 
@@ -127,7 +195,6 @@ class SafeFileSystemReader(dcp.FileSystemReader):
         return self._metadata
 
 
-# ---------------------------------------------------------------------- loading values
 class UnsafeCheckpointError(CheckpointError):
     """A checkpoint value that could only be loaded by running code from the checkpoint."""
 
@@ -154,6 +221,32 @@ class SafeLoadPlanner(DefaultLoadPlanner):
         super().load_bytes(read_item, value)
 
 
+def read_metadata(path: Union[str, Path], *, require_manifest: bool = True) -> Metadata:
+    """The metadata of the DCP checkpoint directory ``path`` (keys, global shapes, dtypes), verified and checked."""
+    return open_metadata(path, require_manifest=require_manifest)[1]
+
+
+def load_state_dict(state_dict: dict[str, Any], path: Union[str, Path], *, strict: bool = True,
+                    require_manifest: bool = True) -> None:
+    """Load checkpoint directory ``path`` into ``state_dict`` in place, checked and safely (see the module doc).
+
+    ``state_dict`` holds what to fill, as for ``dcp.load``: DTensors (resharded from whatever layout
+    was saved), plain tensors (a single process gets full tensors) and non-tensor values (replaced).
+    Collective when a process group is initialized. A bad or unfitting checkpoint is a
+    CheckpointError before anything is read into ``state_dict``; ``strict=False`` allows checkpoint
+    entries the state dict does not have. ``require_manifest=False`` also loads a stock DCP
+    checkpoint (no fullshard manifest: every check but the digests).
+    """
+    _load(state_dict, path, strict=strict, require_manifest=require_manifest)
+
+
+def _load(state: dict[str, Any], path: Union[str, Path], *, strict: bool, require_manifest: bool,
+          sections: Optional[Iterable[str]] = None) -> None:
+    reader = SafeFileSystemReader(path, require_manifest=require_manifest)
+    check_compatible(state, reader.read_metadata(), strict=strict, where=str(reader.path), sections=sections)
+    _safe_dcp_load(state, reader)
+
+
 def _safe_dcp_load(state: dict[str, Any], reader: SafeFileSystemReader, no_dist: bool = False) -> None:
     """``dcp.load`` with the safe planner; any failure surfaces as one CheckpointError, not DCP's wrapper.
 
@@ -172,12 +265,7 @@ def _safe_dcp_load(state: dict[str, Any], reader: SafeFileSystemReader, no_dist:
         raise CheckpointError.at(reader.path, f"could not be read: {first[:300]}") from None
 
 
-def read_metadata(path: Union[str, Path], *, require_manifest: bool = True) -> Metadata:
-    """The metadata of the DCP checkpoint directory ``path`` (keys, global shapes, dtypes), verified and checked."""
-    return open_metadata(path, require_manifest=require_manifest)[1]
-
-
-# ---------------------------------------------------------------------- checking
+# ---------------------------------------------------------------------- checking a checkpoint against a state
 def _describe(value: Any) -> str:
     if isinstance(value, TensorStorageMetadata):
         return f"tensor {tuple(value.size)} {value.properties.dtype}"
@@ -195,12 +283,14 @@ def _flat_state(state: dict[str, Any]) -> dict[str, Any]:
     return planner.state_dict
 
 
-def check_compatible(state: dict[str, Any], metadata: Metadata, *, strict: bool = True, where: str = "") -> None:
+def check_compatible(state: dict[str, Any], metadata: Metadata, *, strict: bool = True, where: str = "",
+                     sections: Optional[Iterable[str]] = None) -> None:
     """Raise CheckpointError (a ``ValueError``) unless ``metadata`` can fill ``state`` exactly.
 
     Every key of ``state`` must be in the checkpoint with the same global
     shape (a DTensor's full shape), dtype and kind (tensor or not). With
-    ``strict`` the checkpoint may hold no other keys either.
+    ``strict`` the checkpoint may hold no other keys either; ``sections``
+    (top-level entries) limits that to the checkpoint's keys under them.
     """
     flat = _flat_state(state)
     saved = metadata.state_dict_metadata
@@ -223,20 +313,7 @@ def check_compatible(state: dict[str, Any], metadata: Metadata, *, strict: bool 
                     f"dtype mismatch for '{key}': checkpoint {entry.properties.dtype} vs state {value.dtype}"
                 )
     if strict:
-        # A whole top-level entry the state lacks (say the optimizer's, when
-        # loading only a model) is one problem, not one per tensor.
-        paths = metadata.planner_data if isinstance(metadata.planner_data, dict) else {}
-        by_top: dict[str, list[str]] = {}
-        for key in sorted(set(saved) - set(flat)):
-            by_top.setdefault(str(paths.get(key, (key,))[0]), []).append(key)
-        for top, keys in by_top.items():
-            if top not in state and len(keys) > 1:
-                problems.append(
-                    f"unexpected in checkpoint: '{top}' ({len(keys)} entries, e.g. '{keys[0]}'); "
-                    "pass strict=False to load only what the state holds"
-                )
-            else:
-                problems.extend(f"unexpected in checkpoint: '{key}' ({_describe(saved[key])})" for key in keys)
+        problems.extend(_unexpected(state, metadata, set(flat), sections))
     if problems:
         shown = problems[:_MAX_REPORTED]
         if len(problems) > _MAX_REPORTED:
@@ -246,29 +323,32 @@ def check_compatible(state: dict[str, Any], metadata: Metadata, *, strict: bool 
                               + "\n  ".join(shown), where or None)
 
 
-# ---------------------------------------------------------------------- loading
-def load_checkpoint(state: dict[str, Any], path: Union[str, Path], *, strict: bool = True,
-                    require_manifest: bool = True) -> None:
-    """Load the DCP directory ``path`` into ``state`` in place, checked and safely (see the module doc).
+def _unexpected(state: dict[str, Any], metadata: Metadata, wanted: set[str],
+                sections: Optional[Iterable[str]]) -> list[str]:
+    """The checkpoint's keys the state does not want (under ``sections``, if given), as problems.
 
-    ``state`` holds what to fill: DTensors (resharded from whatever layout was
-    saved), plain tensors (a single process gets full tensors) and non-tensor
-    values (replaced). Collective when a process group is initialized. A bad
-    or unfitting checkpoint is a CheckpointError before anything is read into
-    ``state``. ``require_manifest=False`` also loads a stock DCP checkpoint
-    (no fullshard manifest: every check but the digests).
+    A whole top-level entry the state lacks (say the optimizer's, when loading only a model) is one
+    problem, not one per tensor.
     """
-    reader = SafeFileSystemReader(path, require_manifest=require_manifest)
-    check_compatible(state, reader.read_metadata(), strict=strict, where=str(reader.path))
-    _safe_dcp_load(state, reader)
+    saved = metadata.state_dict_metadata
+    paths = metadata.planner_data if isinstance(metadata.planner_data, dict) else {}
+    sections = None if sections is None else set(sections)
+    by_top: dict[str, list[str]] = {}
+    for key in sorted(set(saved) - wanted):
+        top = str(paths.get(key, (key,))[0])
+        if sections is None or top in sections:
+            by_top.setdefault(top, []).append(key)
+    problems = []
+    for top, keys in by_top.items():
+        if top not in state and len(keys) > 1:
+            problems.append(f"unexpected in checkpoint: '{top}' ({len(keys)} entries, e.g. '{keys[0]}'); "
+                            "pass strict=False to load only what the state holds")
+        else:
+            problems.extend(f"unexpected in checkpoint: '{key}' ({_describe(saved[key])})" for key in keys)
+    return problems
 
 
-def load_into(state: dict[str, Any], root: Path, step: int, *, strict: bool = True,
-              require_manifest: bool = True) -> None:
-    """Load checkpoint ``step`` under ``root`` into ``state`` in place (DCP resharding to the current layout)."""
-    load_checkpoint(state, step_dir(root, step), strict=strict, require_manifest=require_manifest)
-
-
+# ---------------------------------------------------------------------- one process: the whole checkpoint
 def _set_path(root: dict, path: tuple, value: Any) -> None:
     """``root[path[0]][path[1]]... = value``, creating dicts (str keys) and lists (int keys) on the way.
 
@@ -290,14 +370,14 @@ def _set_path(root: dict, path: tuple, value: Any) -> None:
     container[path[-1]] = value
 
 
-def load_full(path: Union[str, Path], *, require_manifest: bool = True) -> dict[str, Any]:
+def load_full_state_dict(path: Union[str, Path], *, require_manifest: bool = True) -> dict[str, Any]:
     """The whole checkpoint as a full, unsharded (nested) state dict of CPU tensors, in this process only.
 
     Starts no process group (and uses none that exists). Nesting is rebuilt
-    from the key paths DCP records when saving, so a fullshard training
-    checkpoint comes back as ``{"model": {...}, "optim": {...}}``. Every
-    tensor is allocated at a size the checked metadata bounds by the bytes its
-    files hold.
+    from the key paths DCP records when saving, so a module checkpoint
+    comes back as ``{"model": {...}, "optim": {...}}``. Every tensor is
+    allocated at a size the checked metadata bounds by the bytes its files
+    hold.
     """
     reader = SafeFileSystemReader(path, require_manifest=require_manifest)
     metadata = reader.read_metadata()
@@ -330,44 +410,47 @@ def _flatten_nested(tree: Any, prefix: str = "") -> dict[str, Any]:
     return flat
 
 
-def export_full(
-    checkpoint_dir: Union[str, Path], out_file: Union[str, Path], *, key: Optional[str] = None,
-    require_manifest: bool = True,
-) -> Path:
-    """Write the checkpoint as one full, unsharded state dict file; one process, no process group.
+def export_checkpoint(path: Union[str, Path], out_file: Union[str, Path], *, key: Optional[str] = MODEL,
+                      require_manifest: bool = True) -> Path:
+    """Write checkpoint ``path`` as one full, unsharded file; one process, no process group.
 
-    ``out_file`` ending in ``.pt``/``.pth`` gets ``torch.save`` of the nested
-    state dict; ``.safetensors`` (needs the ``safetensors`` package) gets its
-    tensors under dotted names, so it only takes tensors (pick ``key="model"``
-    for a training checkpoint). ``key`` selects one top-level entry, e.g. the
-    model's state dict without the optimizer's. The file appears atomically,
-    and only once the whole checkpoint was checked and read.
+    ``key`` is the top-level entry to write: the model's state dict by default (as on MindSpore), under
+    its parameter names; ``key=None`` writes the whole nested checkpoint (model and optimizer).
+    ``out_file`` ending in ``.pt``/``.pth`` gets ``torch.save`` of it (load it with
+    ``torch.load(f, weights_only=True)``); ``.safetensors`` (needs the ``safetensors`` package) gets its
+    tensors under dotted names, so it only takes tensors. The file appears atomically, and only once
+    the whole checkpoint was checked and read.
     """
     out = Path(out_file)
     suffix = out.suffix.lower()
     if suffix not in (".pt", ".pth", ".safetensors"):
-        raise ValueError(f"export_full: unknown format for {out.name!r}; use .pt, .pth or .safetensors")
+        raise ValueError(f"export: unknown format for {out.name!r}; use .pt, .pth or .safetensors")
     if suffix == ".safetensors":
         try:
             from safetensors.torch import save_file
         except ImportError:
-            raise ImportError("export_full: writing .safetensors needs the 'safetensors' package") from None
-    state: Any = load_full(checkpoint_dir, require_manifest=require_manifest)
+            raise ImportError("export: writing .safetensors needs the 'safetensors' package") from None
+    state: Any = load_full_state_dict(path, require_manifest=require_manifest)
     if key is not None:
         if key not in state:
-            raise ValueError(f"export_full: checkpoint {checkpoint_dir} has no entry {key!r}; it has {sorted(state)}")
+            raise ValueError(f"export: checkpoint {path} has no entry {key!r}; it has {sorted(state)}")
         state = state[key]
     partial = out.with_name(out.name + ".partial")
     if suffix == ".safetensors":
         flat = _flatten_nested(state)
         others = sorted(name for name, value in flat.items() if not isinstance(value, torch.Tensor))
         if others:
-            raise ValueError(
-                f"export_full: safetensors holds tensors only, but {len(others)} value(s) are not tensors "
-                f"(e.g. {others[:3]}); export one entry with key=..., e.g. key='model'"
-            )
+            raise ValueError(f"export: safetensors holds tensors only, but {len(others)} value(s) are not tensors "
+                             f"(e.g. {others[:3]}); export one entry with key=..., e.g. key='model'")
         save_file({name: value.contiguous() for name, value in flat.items()}, str(partial))
     else:
         torch.save(state, partial)
     os.replace(partial, out)
     return out
+
+
+__all__ = [
+    "SafeFileSystemReader", "SafeLoadPlanner", "UnsafeCheckpointError", "check_compatible", "export_checkpoint",
+    "full_state_dict", "load_checkpoint", "load_full_state_dict", "load_state_dict", "read_metadata",
+    "save_checkpoint", "save_state_dict",
+]

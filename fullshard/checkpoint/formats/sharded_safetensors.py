@@ -237,9 +237,11 @@ class ShardedCheckpoint:
         return sorted(k[len(prefix):] for k in self.entries if k.startswith(prefix))
 
     # ------------------------------------------------------------------ checking against a model
-    def check(self, wanted: dict[str, tuple[tuple[int, ...], str]], sections: Iterable[str], what: str) -> None:
+    def check(self, wanted: dict[str, tuple[tuple[int, ...], str]], sections: Iterable[str], what: str,
+              strict: bool = True) -> None:
         """Raise CheckpointError unless the entries of ``sections`` are exactly ``wanted`` (key -> global shape,
-        dtype), naming every missing, unexpected or different entry."""
+        dtype), naming every missing, unexpected or different entry (``strict=False``: unexpected ones are
+        allowed)."""
         problems = []
         for name, (shape, dtype) in wanted.items():
             entry = self.entries.get(name)
@@ -251,7 +253,7 @@ class ShardedCheckpoint:
             if entry.dtype != dtype:
                 problems.append(f"dtype mismatch for {_describe(name)}: checkpoint {entry.dtype} vs {what} {dtype}")
         sections = tuple(f"{s}/" for s in sections)
-        for name in sorted(self.entries):
+        for name in sorted(self.entries) if strict else ():
             if name.startswith(sections) and name not in wanted:
                 entry = self.entries[name]
                 problems.append(f"unexpected in checkpoint: {_describe(name)} ({entry.dtype} {entry.shape})")
