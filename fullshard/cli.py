@@ -464,7 +464,7 @@ def _export_mindspore(args, path: Path) -> Path:
                          f"(no {sharded_safetensors.METADATA_FILE})")
     if args.key not in ("model", ""):
         raise UsageError("--key selects an entry of a torch checkpoint; a MindSpore export holds the model")
-    return sharded_safetensors.export_full(path, args.out)  # numpy only: no MindSpore needed
+    return sharded_safetensors.export_full(path, args.out)  # numpy and safetensors: no MindSpore needed
 
 
 def _export_torch(args, path: Path) -> Path:

@@ -315,6 +315,7 @@ def refused_by(message: str) -> str:
              ("symlink policy", ("symlink",)),
              ("plain file names", ("not a plain file name",)),
              ("canonical JSON", ("canonical JSON", "not valid JSON")),
+             ("the safetensors parser", ("safetensors parser",)),
              ("pickle scan and restricted unpickler", ("its pickle", "unpickled")),
              ("missing files", ("is missing", "not a regular file", "does not exist")),
              ("chunks tile, byte ranges fill", ("chunk", "overlap", "not inside", "gap", "is stored", "elements",

@@ -4,7 +4,8 @@
   sharded format (MindSpore has no DCP): one safetensors file per rank, a
   JSON document of the entries, the manifest.
 - :mod:`~fullshard.checkpoint.formats.safetensors_file`: one safetensors
-  file, written and read with numpy, bfloat16 included (numpy has none).
+  file, read through the ``safetensors`` package's own parser, bfloat16
+  included (numpy has none).
 
 The torch runtime's format is DCP's (``fullshard/torch/checkpoint.py``).
 """

@@ -1,8 +1,10 @@
 """The sharded checkpoint format of the MindSpore runtime: one safetensors file per rank plus JSON.
 
-Framework-free (numpy): saving hands in each rank's pieces, loading reads the
-pieces a rank needs, and :func:`export_full` turns a checkpoint into one full
-``.safetensors`` file without any framework or process group.
+MindSpore has no DCP, so fullshard writes this format itself, framework-free
+(numpy and the ``safetensors`` package, no MindSpore): saving hands in each
+rank's pieces, loading reads the part of each piece a rank needs, and
+:func:`export_full` turns a checkpoint into one full ``.safetensors`` file
+without any framework or process group (what ``fullshard export`` runs).
 
 A checkpoint directory holds
 
@@ -17,7 +19,9 @@ A checkpoint directory holds
   the size and SHA-256 of each of the others.
 
 Entry keys are ``model/<parameter name>`` and ``optim/<state name>``. Nothing
-is unpickled: loading parses JSON (canonical, :func:`~fullshard.checkpoint.manifest.loads_canonical`)
+is unpickled: loading parses JSON (canonical,
+:func:`~fullshard.checkpoint.manifest.loads_canonical`; the rank files
+through safetensors' parser, :mod:`~fullshard.checkpoint.formats.safetensors_file`)
 and copies bytes. Opening a checkpoint verifies the manifest, then checks
 every field of ``fullshard.json`` and of every rank file's header and slices
 against each other (the pieces of each entry must tile its shape), before a
@@ -267,22 +271,31 @@ class ShardedCheckpoint:
     # ------------------------------------------------------------------ reading
     def full(self, name: str) -> Array:
         """The whole tensor of entry ``name``, put together from the ranks' pieces."""
-        entry = self.entries[name]
-        if entry.dim is None:
-            return self._whole[name].read(name)
-        parts = [handle.read(name).data for _, _, handle in self._pieces[name]]
-        if not parts:
-            return Array(np.zeros(entry.shape, HOLDERS[entry.dtype]), entry.dtype)
-        return Array(np.concatenate(parts, axis=entry.dim), entry.dtype)
+        return self.read(name, None, 0, 0)
 
     def read(self, name: str, dim: Optional[int], offset: int, length: int) -> Array:
-        """The slice ``[offset, offset + length)`` of entry ``name`` along ``dim`` (``None``: all of it)."""
-        whole = self.full(name)
-        if dim is None:
-            return whole
-        index = [slice(None)] * whole.data.ndim
-        index[dim] = slice(offset, offset + length)
-        return Array(np.ascontiguousarray(whole.data[tuple(index)]), whole.dtype)
+        """The slice ``[offset, offset + length)`` of entry ``name`` along ``dim`` (``None``: all of it).
+
+        Each piece that overlaps it gives only its part (safetensors reads a slice of a tensor), so a
+        rank's load holds its own chunk, not the whole entry.
+        """
+        entry = self.entries[name]
+        want = [(0, size) for size in entry.shape]
+        if dim is not None:
+            want[dim] = (offset, offset + length)
+        if entry.dim is None:
+            return self._whole[name].read(name, want)
+        start, stop = want[entry.dim]
+        parts = []
+        for piece_offset, piece_length, handle in self._pieces[name]:
+            low, high = max(start, piece_offset), min(stop, piece_offset + piece_length)
+            if low < high:
+                region = list(want)
+                region[entry.dim] = (low - piece_offset, high - piece_offset)
+                parts.append(handle.read(name, region).data)
+        if not parts:  # nothing along the dim the entry is cut along
+            return Array(np.zeros([b - a for a, b in want], HOLDERS[entry.dtype]), entry.dtype)
+        return Array(np.concatenate(parts, axis=entry.dim), entry.dtype)
 
 
 def _along(entry: Entry, offset: int) -> tuple[int, ...]:
