@@ -23,6 +23,10 @@ _EXPORTS = {
     "clip_grad_norm_": "fullshard.torch.clip",
     "DataParallelMeshDims": "fullshard.torch.spmd",
     "reset_traffic": "fullshard.torch.accounting",
+    "save_checkpoint": "fullshard.torch.checkpoint",
+    "load_checkpoint": "fullshard.torch.checkpoint",
+    "export_checkpoint": "fullshard.torch.checkpoint",
+    "full_state_dict": "fullshard.torch.checkpoint",
 }
 __all__ = sorted(_EXPORTS)
 

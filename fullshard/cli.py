@@ -252,15 +252,14 @@ def _check_run_record(cfg) -> None:
 def _check_resumable(checkpoint_dir: str, framework: str) -> int:
     """The step of the checkpoint ``--resume`` will load, checked here as the workers will check it: a bad one
     is one line before any worker starts, not a worker's traceback."""
-    from fullshard.core.atomic import latest_step, step_dir
-    from fullshard.core.untrusted import CheckpointError
+    from fullshard.checkpoint import CheckpointError, latest_step, step_dir
 
     step = latest_step(checkpoint_dir)
     if step is None:
         raise UsageError(f"--resume: no complete checkpoint under {checkpoint_dir}")
     try:
         if framework == "mindspore":
-            from fullshard.core.shardfiles import ShardedCheckpoint
+            from fullshard.checkpoint.formats.sharded_safetensors import ShardedCheckpoint
 
             ShardedCheckpoint(step_dir(checkpoint_dir, step))
         else:
@@ -408,7 +407,7 @@ def export(args) -> int:
 
     Every problem with the checkpoint is one line (a UsageError), never a traceback.
     """
-    from fullshard.core.untrusted import CheckpointError
+    from fullshard.checkpoint import CheckpointError
 
     if args.framework not in ("auto", "torch", "mindspore"):
         raise UsageError(f"unknown --framework {args.framework!r}; choose auto, torch or mindspore")
@@ -431,7 +430,7 @@ def _resolved_checkpoint(path: str) -> Path:
     """The directory ``path`` is loaded from, as every loader finds it; a recovered one is said in one line."""
     import warnings
 
-    from fullshard.core.atomic import RecoveredCheckpointWarning, resolve
+    from fullshard.checkpoint import RecoveredCheckpointWarning, resolve
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", RecoveredCheckpointWarning)
@@ -443,32 +442,35 @@ def _resolved_checkpoint(path: str) -> Path:
 
 def _checkpoint_framework(path: Path) -> str:
     """Which runtime wrote checkpoint ``path``: its manifest says so; without one, its metadata file does."""
-    from fullshard.core import manifest, shardfiles
+    from fullshard.checkpoint import manifest
+    from fullshard.checkpoint.formats import sharded_safetensors
 
     if manifest.present(path):
         return manifest.read(path).framework
-    if shardfiles.is_sharded_checkpoint(path):
+    if sharded_safetensors.is_sharded_checkpoint(path):
         return "mindspore"
     if not Path(path, ".metadata").is_file():
         raise UsageError(f"{path} is not a complete checkpoint directory (no {manifest.MANIFEST_FILE}, no "
-                         f".metadata, nor a MindSpore {shardfiles.METADATA_FILE})")
+                         f".metadata, nor a MindSpore {sharded_safetensors.METADATA_FILE})")
     return "torch"
 
 
 def _export_mindspore(args, path: Path) -> Path:
-    from fullshard.core import manifest, shardfiles
+    from fullshard.checkpoint import manifest
+    from fullshard.checkpoint.formats import sharded_safetensors
 
-    if not (shardfiles.is_sharded_checkpoint(path) or manifest.present(path)):
-        raise UsageError(f"{path} is not a complete MindSpore checkpoint directory (no {shardfiles.METADATA_FILE})")
+    if not (sharded_safetensors.is_sharded_checkpoint(path) or manifest.present(path)):
+        raise UsageError(f"{path} is not a complete MindSpore checkpoint directory "
+                         f"(no {sharded_safetensors.METADATA_FILE})")
     if args.key not in ("model", ""):
         raise UsageError("--key selects an entry of a torch checkpoint; a MindSpore export holds the model")
-    return shardfiles.export_full(path, args.out)  # numpy only: no MindSpore needed
+    return sharded_safetensors.export_full(path, args.out)  # numpy and safetensors: no MindSpore needed
 
 
 def _export_torch(args, path: Path) -> Path:
-    from fullshard.torch.checkpoint import export_full
+    from fullshard.torch.checkpoint import export_checkpoint
 
-    return export_full(path, args.out, key=args.key or None, require_manifest=not args.without_manifest)
+    return export_checkpoint(path, args.out, key=args.key or None, require_manifest=not args.without_manifest)
 
 
 def format_bytes(nbytes: float) -> str:

@@ -39,7 +39,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable, Optional
 
-from fullshard.core import canonical_json, manifest
+from fullshard.checkpoint import manifest
+from fullshard.checkpoint.manifest import dumps_canonical
 
 SEED = 20
 SCALE = max(1, int(os.environ.get("FULLSHARD_FUZZ_SCALE", "1")))
@@ -138,8 +139,8 @@ def craft_manifest(directory: Path, framework: str) -> None:
             files[name] = {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
     body = {"files": files, "format": manifest.FORMAT, "framework": framework,
             "save_id": old.get("save_id", "crafted"), "version": manifest.VERSION}
-    body["digest"] = hashlib.sha256(canonical_json.dumps(body)).hexdigest()
-    (directory / manifest.MANIFEST_FILE).write_bytes(canonical_json.dumps(body))
+    body["digest"] = hashlib.sha256(dumps_canonical(body)).hexdigest()
+    (directory / manifest.MANIFEST_FILE).write_bytes(dumps_canonical(body))
 
 
 # ---------------------------------------------------------------------- crafting JSON documents
@@ -314,6 +315,7 @@ def refused_by(message: str) -> str:
              ("symlink policy", ("symlink",)),
              ("plain file names", ("not a plain file name",)),
              ("canonical JSON", ("canonical JSON", "not valid JSON")),
+             ("the safetensors parser", ("safetensors parser",)),
              ("pickle scan and restricted unpickler", ("its pickle", "unpickled")),
              ("missing files", ("is missing", "not a regular file", "does not exist")),
              ("chunks tile, byte ranges fill", ("chunk", "overlap", "not inside", "gap", "is stored", "elements",

@@ -16,7 +16,7 @@ from mindspore import nn
 from mindspore.communication import get_rank, init
 
 import fullshard.mindspore as fs
-from fullshard.core import shardfiles
+from fullshard.checkpoint.formats import sharded_safetensors
 from fullshard.core.msrun import register_worker
 from tests.ms_parity import TinyLM, init_numpy, lm_batch, lm_loss, local_rows, wrap_layers
 
@@ -37,17 +37,17 @@ def main(out: Path) -> None:
     ids, labels = lm_batch(0, 4)
     _, grads = ms.value_and_grad(lambda: lm_loss(net, local_rows(ids), local_rows(labels)), None, opt.parameters)()
     opt(grads)
-    original = shardfiles.write_rank
+    original = sharded_safetensors.write_rank
 
     def die_half_way(directory, rank, pieces):
         original(directory, rank, pieces)
         if rank == 1:
-            path = Path(directory) / shardfiles.rank_file(rank)
+            path = Path(directory) / sharded_safetensors.rank_file(rank)
             with open(path, "r+b") as handle:
                 handle.truncate(path.stat().st_size // 2)
             os.kill(os.getpid(), signal.SIGKILL)
 
-    shardfiles.write_rank = die_half_way
+    sharded_safetensors.write_rank = die_half_way
     fs.save_checkpoint(net, target, opt)
     raise AssertionError("the second save was not interrupted")
 

@@ -13,7 +13,7 @@ import mindspore as ms
 from mindspore import nn
 
 import fullshard.mindspore as fs
-from fullshard.core.atomic import step_dir
+from fullshard.checkpoint.publish import step_dir
 from tests.ms_parity import TinyLM, init_numpy, lm_batch, lm_loss
 from tests.ms_suite_checkpoint import LR, SAVE_AT, STEPS
 

@@ -18,11 +18,12 @@ import mindspore as ms
 from mindspore import Tensor, nn, ops
 
 import fullshard.mindspore as fs
-from fullshard.core import canonical_json, manifest, shardfiles
-from fullshard.core.atomic import latest_step, partial_dir, step_dir
-from fullshard.core.rank_failures import RanksFailed
-from fullshard.core.shardfiles import METADATA_FILE
-from fullshard.core.untrusted import CheckpointError
+from fullshard.checkpoint import manifest
+from fullshard.checkpoint.formats import sharded_safetensors
+from fullshard.checkpoint.formats.sharded_safetensors import METADATA_FILE
+from fullshard.checkpoint.manifest import dumps_canonical
+from fullshard.checkpoint.publish import RanksFailed, latest_step, partial_dir, step_dir
+from fullshard.checkpoint.untrusted import CheckpointError
 from tests.ms_parity import TinyLM, init_numpy, lm_batch, lm_loss, local_rows, rank, mean_over_ranks, wrap_layers
 
 STEPS, SAVE_AT, LR = 6, 3, 1e-2
@@ -121,10 +122,10 @@ def bad_checkpoints_are_refused_and_change_nothing():
         for name in ("edited", "crafted"):
             meta = json.loads((root / name / METADATA_FILE).read_text())
             meta["entries"]["model/norm.gamma"]["dtype"] = "float16"
-            (root / name / METADATA_FILE).write_bytes(canonical_json.dumps(meta))
+            (root / name / METADATA_FILE).write_bytes(dumps_canonical(meta))
         save_id = manifest.read(root / "crafted").save_id
-        manifest.write(root / "crafted", shardfiles.FRAMEWORK, save_id)  # as a crafted checkpoint would
-        with open(root / "truncated" / shardfiles.rank_file(1), "r+b") as handle:
+        manifest.write(root / "crafted", sharded_safetensors.FRAMEWORK, save_id)  # as a crafted checkpoint would
+        with open(root / "truncated" / sharded_safetensors.rank_file(1), "r+b") as handle:
             handle.truncate(200)
     barrier()
     messages = {}
@@ -139,11 +140,11 @@ def bad_checkpoints_are_refused_and_change_nothing():
                                          "unexpected in checkpoint: parameter 'layers.1.fc1.weight'")
     messages["edited"] = _load_fails(net, opt, root / "edited", f"file {METADATA_FILE}: ",
                                      "changed or damaged after the save")
-    messages["crafted"] = _load_fails(net, opt, root / "crafted", f"file {shardfiles.rank_file(0)}: holds "
+    messages["crafted"] = _load_fails(net, opt, root / "crafted", f"file {sharded_safetensors.rank_file(0)}: holds "
                                       "'model/norm.gamma' as float32", f"{METADATA_FILE} makes it float16")
     messages["no optimizer state"] = _load_fails(net, opt, root / "model_only",
                                                  "missing in checkpoint: optimizer state 'moment1.emb.embedding_table'")
-    messages["truncated"] = _load_fails(net, opt, root / "truncated", shardfiles.rank_file(1))
+    messages["truncated"] = _load_fails(net, opt, root / "truncated", sharded_safetensors.rank_file(1))
     fs.load_checkpoint(net, good, opt)  # the good one still loads into the model it came from
     barrier()
     return messages
@@ -156,14 +157,14 @@ def a_failed_write_fails_every_rank_and_keeps_the_old_checkpoint():
     fs.save_checkpoint(net, step_dir(root, 1), opt)
     saved = fs.full_state_dict(net)
     train(net, opt, range(1))
-    original = shardfiles.write_rank
+    original = sharded_safetensors.write_rank
 
     def refuse(directory, rank_index, pieces):
         if rank_index == 1:
             raise OSError(28, "No space left on device (simulated)")
         return original(directory, rank_index, pieces)
 
-    shardfiles.write_rank = refuse
+    sharded_safetensors.write_rank = refuse
     began = time.monotonic()
     try:
         fs.save_checkpoint(net, step_dir(root, 1), opt)
@@ -172,12 +173,12 @@ def a_failed_write_fails_every_rank_and_keeps_the_old_checkpoint():
     else:
         raise AssertionError("the save did not fail")
     finally:
-        shardfiles.write_rank = original
+        sharded_safetensors.write_rank = original
     assert time.monotonic() - began < 10, "a rank waited for the failed one"
     assert "writing the files of" in message and "failed on rank 1: OSError: [Errno 28] No space left on device " \
         "(simulated)" in message and "the process group is still usable" in message, message
     assert latest_step(root) == 1 and partial_dir(step_dir(root, 1)).exists()
-    check = shardfiles.ShardedCheckpoint(step_dir(root, 1))
+    check = sharded_safetensors.ShardedCheckpoint(step_dir(root, 1))
     for name, value in saved.items():
         assert np.array_equal(check.full(f"model/{name}").data, value), name
     train(net, opt, range(1, 2))  # the ranks are still in step: they train on and save again

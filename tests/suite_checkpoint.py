@@ -34,10 +34,12 @@ from torch.utils._pytree import tree_map
 
 import fullshard.core.traffic as traffic_meter
 from fullshard import FSDPModule
-from fullshard.core import atomic, manifest
-from fullshard.core.rank_failures import RanksFailed
-from fullshard.core.untrusted import CheckpointError
-from fullshard.torch.checkpoint import load_checkpoint, load_into, latest_step, save_atomic, step_dir
+from fullshard.checkpoint import manifest, publish
+from fullshard.checkpoint.publish import RanksFailed
+from fullshard.checkpoint.untrusted import CheckpointError
+from fullshard.checkpoint import latest_step, step_dir
+from fullshard.torch.checkpoint import (full_state_dict, load_checkpoint, load_state_dict, save_checkpoint,
+                                        save_state_dict)
 from fullshard.models.gpt import GPT, GPTConfig
 from tests.parity import gpt_batch, gpt_loss, mesh_1d, shard_blocks_then_root
 
@@ -146,12 +148,6 @@ def full_state(model: torch.nn.Module, optim: torch.optim.Optimizer) -> dict:
 def train_state(model: torch.nn.Module, optim: torch.optim.Optimizer) -> dict:
     model_sd, optim_sd = get_state_dict(model, optim)
     return {"model": model_sd, "optim": optim_sd}
-
-
-def load_training_state(model: torch.nn.Module, optim: torch.optim.Optimizer, path: Path, **options) -> None:
-    state = train_state(model, optim)
-    load_checkpoint(state, path, **options)
-    set_state_dict(model, optim, model_state_dict=state["model"], optim_state_dict=state["optim"])
 
 
 def assert_matches_expected(model: torch.nn.Module, optim: torch.optim.Optimizer, expected_file: str) -> None:
@@ -288,8 +284,8 @@ def load_after_eval_forward_not_stale():
         model = sharded(0)
         model(tokens)
         path = ckpt_root() / "stale_probe"
-        save_atomic({"model": sharded(1).state_dict()}, path, 1)
-        load_into({"model": model.state_dict()}, path, 1)
+        save_state_dict({"model": sharded(1).state_dict()}, step_dir(path, 1))
+        load_state_dict({"model": model.state_dict()}, step_dir(path, 1))
         diff_dcp = (model(tokens) - expected).abs().max().item()
     assert diff_load == 0 and diff_dcp == 0, (
         f"stale parameters after loading: output differs by {diff_load} (load_state_dict) and {diff_dcp} (dcp.load)"
@@ -366,13 +362,24 @@ def full_state_dict_on_rank0():
                 assert type(plain) is torch.Tensor and torch.equal(plain, value), f"{fqn}.{name}"
 
 
+def full_state_dict_on_every_rank():
+    """fullshard's full_state_dict (as on MindSpore): every entry whole, as plain tensors, on every rank."""
+    model = sharded(0)
+    train(model, adamw(model), range(2))
+    full = full_state_dict(model)
+    assert list(full) == list(build(0).state_dict())
+    for name, param in model.named_parameters(remove_duplicate=False):
+        assert type(full[name]) is torch.Tensor and torch.equal(full[name], param.full_tensor()), name
+    return len(full)
+
+
 # ---------------------------------------------------------------------- 3. DCP save / reshard
 def dcp_save_world_size_2():
     """Train 2 steps, save model + AdamW at step 2; rank 0 writes the full state every later load must equal."""
     model = sharded(0)
     optim = adamw(model)
     train(model, optim, range(2))
-    path = save_atomic(train_state(model, optim), ckpt_root() / "ws2", 2)
+    path = save_checkpoint(model, step_dir(ckpt_root() / "ws2", 2), optim)
     write_expected(model, optim, "expected_ws2.pt")
     assert latest_step(ckpt_root() / "ws2") == 2
     return sorted(p.name for p in path.iterdir())
@@ -382,7 +389,7 @@ def dcp_load_world_size_2_shard_last_dim():
     """The Shard(0) checkpoint loads into Shard(dim-1) parameters (DCP reshards) bit for bit."""
     model = sharded(5, shard_placement_fn=shard_last_dim)
     optim = adamw(model)
-    load_training_state(model, optim, step_dir(ckpt_root() / "ws2", 2))
+    load_checkpoint(model, step_dir(ckpt_root() / "ws2", 2), optim)
     for name, param in model.named_parameters():
         assert param.placements == (Shard(param.dim() - 1),), name
     assert_matches_expected(model, optim, "expected_ws2.pt")
@@ -391,7 +398,7 @@ def dcp_load_world_size_2_shard_last_dim():
 def dcp_load_world_size_2_same_layout():
     model = sharded(5)
     optim = adamw(model)
-    load_training_state(model, optim, step_dir(ckpt_root() / "ws2", 2))
+    load_checkpoint(model, step_dir(ckpt_root() / "ws2", 2), optim)
     assert_matches_expected(model, optim, "expected_ws2.pt")
 
 
@@ -405,12 +412,12 @@ def resume_bit_exact():
     first = sharded(0)
     first_optim = adamw(first)
     before = train(first, first_optim, range(2))
-    save_atomic(train_state(first, first_optim), ckpt_root() / "resume", 2)
+    save_checkpoint(first, step_dir(ckpt_root() / "resume", 2), first_optim)
     del first, first_optim
 
     resumed = sharded(7)  # other initial values: everything must come from the checkpoint
     resumed_optim = adamw(resumed)
-    load_training_state(resumed, resumed_optim, step_dir(ckpt_root() / "resume", latest_step(ckpt_root() / "resume")))
+    load_checkpoint(resumed, step_dir(ckpt_root() / "resume", latest_step(ckpt_root() / "resume")), resumed_optim)
     after = train(resumed, resumed_optim, range(2, 4))
     assert before + after == straight, f"resumed losses {before + after} vs straight {straight}"
     assert_same(train_state(resumed, resumed_optim), train_state(model, optim))
@@ -424,12 +431,12 @@ def interop_fullshard_to_torch_fsdp2():
     """The fullshard checkpoint loads into torch's fully_shard (same wrapping): identical state, identical shards."""
     model = torch_sharded(5)
     optim = adamw(model)
-    load_training_state(model, optim, step_dir(ckpt_root() / "ws2", 2))
+    load_checkpoint(model, step_dir(ckpt_root() / "ws2", 2), optim)
     assert_matches_expected(model, optim, "expected_ws2.pt")
     # Same placement, same chunking rule: the local shards are the ones fullshard holds.
     ours = sharded(6)
     ours_optim = adamw(ours)
-    load_training_state(ours, ours_optim, step_dir(ckpt_root() / "ws2", 2))
+    load_checkpoint(ours, step_dir(ckpt_root() / "ws2", 2), ours_optim)
     assert_same(train_state(ours, ours_optim), train_state(model, optim))
 
 
@@ -454,9 +461,9 @@ def interop_torch_fsdp2_to_fullshard():
 
     ours = sharded(4)
     ours_optim = adamw(ours)
-    refused = raises(lambda: load_training_state(ours, ours_optim, path), CheckpointError,
+    refused = raises(lambda: load_checkpoint(ours, path, ours_optim), CheckpointError,
                      f"checkpoint {path}: has no fullshard.manifest.json", "pass require_manifest=False")
-    load_training_state(ours, ours_optim, path, require_manifest=False)
+    load_checkpoint(ours, path, ours_optim, require_manifest=False)
     assert_matches_expected(ours, ours_optim, "expected_torch_fsdp2.pt")
     assert_same(train_state(ours, ours_optim), train_state(model, optim))
     # ...and it trains on from there.
@@ -469,26 +476,26 @@ def load_mismatch_fails_on_every_rank():
     path = step_dir(ckpt_root() / "ws2", 2)
     wider = sharded(0, GPTConfig(vocab_size=67, seq_len=13, d_model=40, n_layers=2, n_heads=4))
     messages = [raises(
-        lambda: load_checkpoint({"model": wider.state_dict()}, path, strict=False), ValueError,
+        lambda: load_state_dict({"model": wider.state_dict()}, path, strict=False), ValueError,
         "shape mismatch for 'model.wte.weight': checkpoint (67, 36) vs state (67, 40)",
     )]
     double = shard_blocks_then_root(build(0).double(), mesh=mesh_1d())
     messages.append(raises(
-        lambda: load_checkpoint({"model": double.state_dict()}, path, strict=False), ValueError,
+        lambda: load_state_dict({"model": double.state_dict()}, path, strict=False), ValueError,
         "dtype mismatch for 'model.wte.weight': checkpoint torch.float32 vs state torch.float64",
     ))
     model = sharded(5)
     messages.append(raises(
-        lambda: load_checkpoint({"model": model.state_dict()}, path), ValueError,
+        lambda: load_state_dict({"model": model.state_dict()}, path), ValueError,
         "unexpected in checkpoint: 'optim' (", "entries, e.g. 'optim.param_groups.0.amsgrad'); pass strict=False",
     ))
     messages.append(raises(
-        lambda: load_checkpoint({"model": model.state_dict(), "extra": torch.zeros(2)}, path, strict=False),
+        lambda: load_state_dict({"model": model.state_dict(), "extra": torch.zeros(2)}, path, strict=False),
         ValueError, "missing in checkpoint: 'extra' (state has tensor (2,) torch.float32)",
     ))
     # Nothing was half-done: the ranks are still in step and a good load works.
     optim = adamw(model)
-    load_training_state(model, optim, path)
+    load_checkpoint(model, path, optim)
     assert_matches_expected(model, optim, "expected_ws2.pt")
     return [m.splitlines()[1].strip() for m in messages]
 
@@ -508,21 +515,21 @@ def _failed_save_then_training_goes_on(name: str, fault: contextlib.AbstractCont
     model = sharded(0)
     optim = adamw(model)
     train(model, optim, range(1))
-    save_atomic(train_state(model, optim), root, 1)
+    save_checkpoint(model, step_dir(root, 1), optim)
     train(model, optim, range(1, 2))
     began = time.monotonic()
     with fault:
-        message = raises(lambda: save_atomic(train_state(model, optim), root, 2), RanksFailed,
-                         f"save_atomic: {part} ", f"failed on rank {rank}: {cause}", "the process group is still usable")
+        message = raises(lambda: save_checkpoint(model, step_dir(root, 2), optim), RanksFailed,
+                         f"save_checkpoint: {part} ", f"failed on rank {rank}: {cause}", "the process group is still usable")
     took = time.monotonic() - began
     assert took < FAILED_SAVE_WITHIN_S, f"rank {dist.get_rank()} raised after {took:.1f}s"
     assert latest_step(root) == latest_after
     losses = train(model, optim, range(2, 3))
-    save_atomic(train_state(model, optim), root, 3)
+    save_checkpoint(model, step_dir(root, 3), optim)
     assert latest_step(root) == 3
     resumed = sharded(7)
     resumed_optim = adamw(resumed)
-    load_training_state(resumed, resumed_optim, step_dir(root, 3))
+    load_checkpoint(resumed, step_dir(root, 3), resumed_optim)
     assert_same(train_state(resumed, resumed_optim), train_state(model, optim))
     return {"took_s": round(took, 4), "message": message, "losses": losses}
 
@@ -579,7 +586,7 @@ def failed_publish_fails_the_save_on_every_rank():
             raise OSError(errno.EBUSY, "Device or resource busy", str(source))
         return real_replace(source, target)
 
-    fault = _fails_on(0, atomic.os, "replace", busy)
+    fault = _fails_on(0, publish.os, "replace", busy)
     return _failed_save_then_training_goes_on("publish", fault, "writing the manifest of", 0,
                                               "OSError: [Errno 16] Device or resource busy", latest_after=2)
 
@@ -597,6 +604,7 @@ def suite() -> dict[str, Callable[[], Any]]:
             load_after_eval_forward_with_reshard,
             get_set_state_dict_roundtrip,
             full_state_dict_on_rank0,
+            full_state_dict_on_every_rank,
             dcp_save_world_size_2,  # the checkpoint the scenarios below and the other test files load
             dcp_load_world_size_2_same_layout,
             dcp_load_world_size_2_shard_last_dim,

@@ -10,17 +10,16 @@ from typing import Any, Callable
 import torch.distributed as dist
 from torch.distributed.tensor import Shard
 
-from fullshard.torch.checkpoint import save_atomic, step_dir
+from fullshard.checkpoint import step_dir
+from fullshard.torch.checkpoint import load_checkpoint, save_checkpoint
 from tests.suite_checkpoint import (
     CFG,
     adamw,
     assert_matches_expected,
     ckpt_root,
-    load_training_state,
     shard_last_dim,
     sharded,
     train,
-    train_state,
     write_expected,
 )
 
@@ -29,7 +28,7 @@ def load_world_size_2_at_4():
     """Saved at 2 ranks (Shard(0): 34 + 33 rows), loaded at 4 (17 * 3 + 16 rows): identical model and AdamW state."""
     model = sharded(5)
     optim = adamw(model)
-    load_training_state(model, optim, step_dir(ckpt_root() / "ws2", 2))
+    load_checkpoint(model, step_dir(ckpt_root() / "ws2", 2), optim)
     rows = model.wte.weight.to_local().shape[0]
     assert rows == (16 if dist.get_rank() == 3 else 17), f"rank {dist.get_rank()} holds {rows} rows of 67"
     assert_matches_expected(model, optim, "expected_ws2.pt")
@@ -38,7 +37,7 @@ def load_world_size_2_at_4():
 def load_world_size_2_at_4_shard_last_dim():
     model = sharded(6, shard_placement_fn=shard_last_dim)
     optim = adamw(model)
-    load_training_state(model, optim, step_dir(ckpt_root() / "ws2", 2))
+    load_checkpoint(model, step_dir(ckpt_root() / "ws2", 2), optim)
     for name, param in model.named_parameters():
         assert param.placements == (Shard(param.dim() - 1),), name
     assert_matches_expected(model, optim, "expected_ws2.pt")
@@ -48,9 +47,9 @@ def save_world_size_4():
     """Train one more step at 4 ranks and save: the single-process tests load this one at world size 1."""
     model = sharded(5)
     optim = adamw(model)
-    load_training_state(model, optim, step_dir(ckpt_root() / "ws2", 2))
+    load_checkpoint(model, step_dir(ckpt_root() / "ws2", 2), optim)
     losses = train(model, optim, range(2, 3))
-    save_atomic(train_state(model, optim), ckpt_root() / "ws4", 3)
+    save_checkpoint(model, step_dir(ckpt_root() / "ws4", 3), optim)
     write_expected(model, optim, "expected_ws4.pt")
     return {"losses": losses, "vocab": CFG.vocab_size}
 

@@ -1,7 +1,7 @@
 """The small valid checkpoint the torch fuzz test mutates, saved by 2 gloo ranks (tests/test_checkpoint_fuzz.py).
 
 A two-layer MLP sharded with fullshard (Shard(0), uneven: 5 rows on 2 ranks)
-and its AdamW state after one step, saved with ``save_atomic`` under
+and its AdamW state after one step, saved with ``save_checkpoint`` under
 ``$FULLSHARD_TEST_CKPT/fuzz/step_1``; rank 0 also writes the full state
 (``expected_fuzz.pt``) the fuzz test's positive control compares with.
 """
@@ -16,7 +16,8 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
 from fullshard import fully_shard
-from fullshard.torch.checkpoint import save_atomic
+from fullshard.checkpoint import step_dir
+from fullshard.torch.checkpoint import save_checkpoint
 
 STEP = 1
 
@@ -40,15 +41,10 @@ def sharded_and_trained(seed: int) -> tuple[torch.nn.Module, torch.optim.Optimiz
     return model, optim
 
 
-def train_state(model, optim) -> dict:
-    model_sd, optim_sd = get_state_dict(model, optim)
-    return {"model": model_sd, "optim": optim_sd}
-
-
 def save_fuzz_checkpoint():
     root = Path(os.environ["FULLSHARD_TEST_CKPT"])
     model, optim = sharded_and_trained(0)
-    save_atomic(train_state(model, optim), root / "fuzz", STEP)
+    save_checkpoint(model, step_dir(root / "fuzz", STEP), optim)
     model_sd, optim_sd = get_state_dict(model, optim, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if dist.get_rank() == 0:
         torch.save({"model": model_sd, "optim": optim_sd}, root / "expected_fuzz.pt")

@@ -99,7 +99,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 import fullshard.torch.collectives as collectives
-import fullshard.torch.group as group_plan
+import fullshard.torch.group as group_module
 from fullshard import fully_shard
 from fullshard.core import traffic
 from fullshard.core.unit import distinct_units
@@ -461,12 +461,12 @@ def recording_reductions():
 def fusion(on: bool):
     """Fusion on torch has no public switch: the threshold fullshard.torch.group reads is patched (test-only, as
     tests/suite_core.py does) for the whole scenario, since plans are made again when trainability changes."""
-    saved = group_plan.DEFAULT_FUSE_BELOW_NUMEL
-    group_plan.DEFAULT_FUSE_BELOW_NUMEL = saved if on else 0
+    saved = group_module.DEFAULT_FUSE_BELOW_NUMEL
+    group_module.DEFAULT_FUSE_BELOW_NUMEL = saved if on else 0
     try:
         yield
     finally:
-        group_plan.DEFAULT_FUSE_BELOW_NUMEL = saved
+        group_module.DEFAULT_FUSE_BELOW_NUMEL = saved
 
 
 def reductions_issued() -> dict[str, int]:

@@ -18,17 +18,16 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
-from fullshard.core import manifest
-from fullshard.core.untrusted import CheckpointError
+from fullshard.checkpoint import CheckpointError, latest_step, manifest, step_dir
 from fullshard.torch.checkpoint import (
-    export_full,
-    latest_step,
+    export_checkpoint,
+    full_state_dict,
     load_checkpoint,
-    load_full,
-    load_into,
+    load_full_state_dict,
+    load_state_dict,
     read_metadata,
-    save_atomic,
-    step_dir,
+    save_checkpoint,
+    save_state_dict,
 )
 from fullshard.models.gpt import GPT
 from tests.harness import ROOT, assert_scenario, run_suite
@@ -77,27 +76,26 @@ def test_load_at_world_size_1(results, results4, ckpt_root, saved):
     assert not dist.is_initialized()
     torch.manual_seed(9)
     model = GPT(CFG)
-    state = {"model": model.state_dict()}
-    load_into(state, ckpt_root / folder, step, strict=False)  # the model only: skip the optimizer's entries
+    load_checkpoint(model, step_dir(ckpt_root / folder, step))  # no optimizer: its entries are not read
     expected = _expected(ckpt_root, expected_file)["model"]
     for name, param in model.named_parameters(remove_duplicate=False):
         assert torch.equal(param, expected[name]), name
     assert not dist.is_initialized()
 
 
-def test_load_full_nested(results, ckpt_root):
-    """load_full rebuilds the saved nesting, optimizer state and param_groups included."""
+def test_load_full_state_dict_nested(results, ckpt_root):
+    """load_full_state_dict rebuilds the saved nesting, optimizer state and param_groups included."""
     assert_scenario(results, "dcp_save_world_size_2")
-    assert_same(load_full(step_dir(ckpt_root / "ws2", 2)), _expected(ckpt_root, "expected_ws2.pt"))
+    assert_same(load_full_state_dict(step_dir(ckpt_root / "ws2", 2)), _expected(ckpt_root, "expected_ws2.pt"))
 
 
-def test_export_full_pt(results, ckpt_root, tmp_path):
+def test_export_checkpoint_pt(results, ckpt_root, tmp_path):
     assert_scenario(results, "dcp_save_world_size_2")
     expected = _expected(ckpt_root, "expected_ws2.pt")
     path = step_dir(ckpt_root / "ws2", 2)
-    everything = export_full(path, tmp_path / "full.pt")
+    everything = export_checkpoint(path, tmp_path / "full.pt", key=None)
     assert_same(torch.load(everything, weights_only=True), expected)
-    model_file = export_full(path, tmp_path / "model.pt", key="model")
+    model_file = export_checkpoint(path, tmp_path / "model.pt")  # the model, by default
     exported = torch.load(model_file, weights_only=True)
     assert_same(exported, expected["model"])
     model = GPT(CFG)
@@ -106,26 +104,72 @@ def test_export_full_pt(results, ckpt_root, tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["full.pt", "model.pt"]  # no partial files left
 
 
-def test_export_full_safetensors(results, ckpt_root, tmp_path):
+def test_export_checkpoint_safetensors(results, ckpt_root, tmp_path):
     safetensors_torch = pytest.importorskip("safetensors.torch")
     assert_scenario(results, "dcp_save_world_size_2")
     path = step_dir(ckpt_root / "ws2", 2)
-    out = export_full(path, tmp_path / "model.safetensors", key="model")
+    out = export_checkpoint(path, tmp_path / "model.safetensors")
     loaded = safetensors_torch.load_file(str(out))
     assert_same(loaded, _expected(ckpt_root, "expected_ws2.pt")["model"])
     with pytest.raises(ValueError, match="safetensors holds tensors only"):
-        export_full(path, tmp_path / "all.safetensors")  # param_groups are not tensors
+        export_checkpoint(path, tmp_path / "all.safetensors", key=None)  # param_groups are not tensors
 
 
-def test_export_full_rejects_unknown_format_and_key(results, ckpt_root, tmp_path):
+def test_export_checkpoint_rejects_unknown_format_and_key(results, ckpt_root, tmp_path):
     assert_scenario(results, "dcp_save_world_size_2")
     with pytest.raises(ValueError, match="unknown format"):
-        export_full(step_dir(ckpt_root / "ws2", 2), tmp_path / "model.bin")
+        export_checkpoint(step_dir(ckpt_root / "ws2", 2), tmp_path / "model.bin")
     with pytest.raises(ValueError, match="has no entry 'weights'; it has \\['model', 'optim'\\]"):
-        export_full(step_dir(ckpt_root / "ws2", 2), tmp_path / "model.pt", key="weights")
+        export_checkpoint(step_dir(ckpt_root / "ws2", 2), tmp_path / "model.pt", key="weights")
 
 
 # ---------------------------------------------------------------------- checked loading (one process)
+def _mlp(seed):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.ReLU(), torch.nn.Linear(3, 2))
+
+
+def _step(model, optim):
+    model(torch.ones(5, 4)).square().sum().backward()
+    optim.step()
+    optim.zero_grad()
+
+
+def test_a_module_and_its_optimizer_in_one_process(tmp_path):
+    """save_checkpoint / load_checkpoint / full_state_dict on a plain module and no process group: the calls a
+    sharded job makes (and fullshard.mindspore's); an optimizer that never stepped loads the saved state."""
+    model = _mlp(0)
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    _step(model, optim)
+    path = save_checkpoint(model, tmp_path / "step_1", optim)
+    assert path == tmp_path / "step_1" and manifest.present(path)
+    fresh = _mlp(1)
+    fresh_optim = torch.optim.AdamW(fresh.parameters(), lr=1e-2)
+    load_checkpoint(fresh, path, fresh_optim)
+    assert_same(full_state_dict(fresh), full_state_dict(model))
+    assert_same(fresh_optim.state_dict(), optim.state_dict())
+    only_model = _mlp(2)
+    load_checkpoint(only_model, path)  # no optimizer: its entries are not read
+    assert_same(only_model.state_dict(), model.state_dict())
+    _step(model, optim)
+    _step(fresh, fresh_optim)  # trains on exactly as the saved one does
+    assert_same(fresh.state_dict(), model.state_dict())
+
+
+def test_a_module_that_does_not_fit_is_named(tmp_path):
+    path = save_checkpoint(_mlp(0), tmp_path / "step_1")
+    wider = torch.nn.Sequential(*_mlp(1), torch.nn.Linear(2, 2))
+    with pytest.raises(CheckpointError, match=r"missing in checkpoint: 'model.3.weight' \(state has tensor \(2, 2\)"):
+        load_checkpoint(wider, path)
+    narrower = _mlp(1)[:1]
+    before = narrower.state_dict()["0.weight"].clone()
+    with pytest.raises(CheckpointError, match=r"unexpected in checkpoint: 'model.2.weight' \(tensor \(2, 3\)"):
+        load_checkpoint(narrower, path)
+    assert torch.equal(narrower[0].weight, before), "a refused load changed the module"
+    load_checkpoint(narrower, path, strict=False)
+    assert torch.equal(narrower[0].weight, _mlp(0)[0].weight)
+
+
 def _small_state():
     gen = torch.Generator().manual_seed(0)
     return {"model": {"w": torch.randn(3, 4, generator=gen), "b": torch.randn(4, generator=gen)}, "step": 3}
@@ -133,7 +177,7 @@ def _small_state():
 
 @pytest.fixture
 def small_ckpt(tmp_path):
-    save_atomic(_small_state(), tmp_path, 1)
+    save_state_dict(_small_state(), step_dir(tmp_path, 1))
     return tmp_path
 
 
@@ -145,7 +189,7 @@ def _target(**changes):
 
 def test_checked_load_succeeds(small_ckpt):
     state = _target()
-    load_into(state, small_ckpt, 1)
+    load_state_dict(state, step_dir(small_ckpt, 1))
     assert_same(state, _small_state())
 
 
@@ -164,7 +208,7 @@ def test_checked_load_succeeds(small_ckpt):
 def test_checked_load_names_key_and_both_sides(small_ckpt, changes, message):
     state = _target(**changes)
     with pytest.raises(ValueError) as caught:
-        load_into(state, small_ckpt, 1)
+        load_state_dict(state, step_dir(small_ckpt, 1))
     assert message in str(caught.value)
     assert str(step_dir(small_ckpt, 1)) in str(caught.value)
     untouched = [v for v in state["model"].values() if isinstance(v, torch.Tensor)]
@@ -174,16 +218,16 @@ def test_checked_load_names_key_and_both_sides(small_ckpt, changes, message):
 def test_checked_load_reports_every_problem_at_once(small_ckpt):
     state = _target(w=torch.zeros(4, 3), c=torch.zeros(1))
     with pytest.raises(ValueError) as caught:
-        load_into(state, small_ckpt, 1)
+        load_state_dict(state, step_dir(small_ckpt, 1))
     assert "shape mismatch for 'model.w'" in str(caught.value) and "missing in checkpoint: 'model.c'" in str(caught.value)
 
 
 def test_non_strict_ignores_unexpected_only(small_ckpt):
     state = {"model": {"w": torch.zeros(3, 4)}}
-    load_into(state, small_ckpt, 1, strict=False)
+    load_state_dict(state, step_dir(small_ckpt, 1), strict=False)
     assert torch.equal(state["model"]["w"], _small_state()["model"]["w"])
     with pytest.raises(ValueError, match="missing in checkpoint: 'model.c'"):
-        load_into({"model": {"c": torch.zeros(1)}}, small_ckpt, 1, strict=False)
+        load_state_dict({"model": {"c": torch.zeros(1)}}, step_dir(small_ckpt, 1), strict=False)
 
 
 # ---------------------------------------------------------------------- no code runs on load
@@ -209,8 +253,8 @@ def test_crafted_metadata_is_refused(small_ckpt, tmp_path):
     _resign(step_dir(small_ckpt, 1))  # else the manifest refuses it first
     for attempt in (
         lambda: read_metadata(step_dir(small_ckpt, 1)),
-        lambda: load_into(_target(), small_ckpt, 1),
-        lambda: load_full(step_dir(small_ckpt, 1)),
+        lambda: load_state_dict(_target(), step_dir(small_ckpt, 1)),
+        lambda: load_full_state_dict(step_dir(small_ckpt, 1)),
     ):
         with pytest.raises(ValueError, match="not part of DCP metadata"):
             attempt()
@@ -221,14 +265,14 @@ def test_crafted_value_is_refused(tmp_path):
     marker = tmp_path / "ran"
     state = _small_state()
     state["extra"] = _WritesFile(marker)  # stored by DCP as pickled bytes
-    save_atomic(state, tmp_path / "ckpt", 1)
+    save_state_dict(state, step_dir(tmp_path / "ckpt", 1))
     assert not marker.exists()
     target = _target()
     target["extra"] = None
     with pytest.raises(ValueError, match="checkpoint value 'extra' is not plain data"):
-        load_into(target, tmp_path / "ckpt", 1)
+        load_state_dict(target, step_dir(tmp_path / "ckpt", 1))
     with pytest.raises(ValueError, match="checkpoint value 'extra' is not plain data"):
-        load_full(step_dir(tmp_path / "ckpt", 1))
+        load_full_state_dict(step_dir(tmp_path / "ckpt", 1))
     assert not marker.exists(), "loading the checkpoint ran code from a stored value"
 
 
@@ -246,10 +290,10 @@ def _write_metadata(directory, metadata, resign=True):
 
 def test_storage_paths_outside_the_checkpoint_are_refused(tmp_path):
     """The issue's case: a .metadata whose relative_path leads to another checkpoint's data file."""
-    save_atomic(_small_state(), tmp_path / "a", 1)
+    save_state_dict(_small_state(), step_dir(tmp_path / "a", 1))
     other = _small_state()
     other["model"]["w"] += 100
-    save_atomic(other, tmp_path / "b", 1)
+    save_state_dict(other, step_dir(tmp_path / "b", 1))
     victim = step_dir(tmp_path / "a", 1)
     data_file = next(p.name for p in victim.iterdir() if p.suffix == ".distcp")
     for hostile in (f"../../b/step_1/{data_file}", str(step_dir(tmp_path / "b", 1) / data_file)):
@@ -257,8 +301,8 @@ def test_storage_paths_outside_the_checkpoint_are_refused(tmp_path):
         for info in metadata.storage_data.values():
             info.relative_path = hostile
         _write_metadata(victim, metadata)
-        for attempt in (lambda: load_into(_target(), tmp_path / "a", 1), lambda: load_full(victim),
-                        lambda: export_full(victim, tmp_path / "out.pt")):
+        for attempt in (lambda: load_state_dict(_target(), step_dir(tmp_path / "a", 1)), lambda: load_full_state_dict(victim),
+                        lambda: export_checkpoint(victim, tmp_path / "out.pt")):
             with pytest.raises(CheckpointError, match="is not a plain file name inside the checkpoint directory"):
                 attempt()
     assert not (tmp_path / "out.pt").exists()
@@ -266,12 +310,12 @@ def test_storage_paths_outside_the_checkpoint_are_refused(tmp_path):
 
 def test_planner_paths_cannot_grow_a_list(tmp_path):
     """The issue's case: an index near 10**12 in a key path; refused before any list is built."""
-    save_atomic(_small_state(), tmp_path, 1)
+    save_state_dict(_small_state(), step_dir(tmp_path, 1))
     metadata = _metadata_of(step_dir(tmp_path, 1))
     metadata.planner_data["step"] = ("step", 10**12)
     _write_metadata(step_dir(tmp_path, 1), metadata)
     with pytest.raises(CheckpointError, match=r"the key path of 'step' is \('step', 1000000000000\)"):
-        load_full(step_dir(tmp_path, 1))
+        load_full_state_dict(step_dir(tmp_path, 1))
 
 
 def test_a_flipped_byte_in_tensor_data_is_refused(small_ckpt):
@@ -282,7 +326,7 @@ def test_a_flipped_byte_in_tensor_data_is_refused(small_ckpt):
     data_file.write_bytes(bytes(raw))
     state = _target()
     with pytest.raises(CheckpointError, match=f"file {data_file.name}: does not match the SHA-256"):
-        load_into(state, small_ckpt, 1)
+        load_state_dict(state, step_dir(small_ckpt, 1))
     assert not state["model"]["w"].any()
 
 
@@ -294,16 +338,16 @@ def test_a_stock_dcp_checkpoint_loads_only_when_asked(tmp_path):
         warnings.filterwarnings("ignore", message=".*assuming the intent is to (load|save) in a single process")
         dcp.save(_small_state(), checkpoint_id=str(path))
         with pytest.raises(CheckpointError, match="has no fullshard.manifest.json: .* pass require_manifest=False"):
-            load_checkpoint(_target(), path)
+            load_state_dict(_target(), path)
         state = _target()
-        load_checkpoint(state, path, require_manifest=False)
+        load_state_dict(state, path, require_manifest=False)
         assert_same(state, _small_state())
-        assert_same(load_full(path, require_manifest=False), _small_state())
+        assert_same(load_full_state_dict(path, require_manifest=False), _small_state())
         metadata = _metadata_of(path)
         next(iter(metadata.storage_data.values())).offset = 10**12
         _write_metadata(path, metadata, resign=False)
         with pytest.raises(CheckpointError, match="not inside the file"):
-            load_checkpoint(_target(), path, require_manifest=False)
+            load_state_dict(_target(), path, require_manifest=False)
 
 
 # ---------------------------------------------------------------------- atomic saves
@@ -311,7 +355,7 @@ _KILLED_SAVER = r"""
 import os, sys, time
 from pathlib import Path
 import torch
-from fullshard.torch.checkpoint import save_atomic
+from fullshard.torch.checkpoint import save_state_dict
 
 # 64 MiB; DCP fsyncs each data file before it writes the metadata: stop there, mid-save.
 state = {f"t{i}": torch.full((1 << 21,), float(i)) for i in range(8)}
@@ -319,14 +363,14 @@ def stall(fd):
     print("saving", flush=True)
     time.sleep(600)
 os.fsync = stall
-save_atomic(state, Path(sys.argv[1]), 2)
+save_state_dict(state, Path(sys.argv[1]) / "step_2")
 print("finished", flush=True)
 """
 
 
 def test_killed_save_leaves_previous_checkpoint(tmp_path):
     root = tmp_path / "ckpt"
-    save_atomic(_small_state(), root, 1)
+    save_state_dict(_small_state(), step_dir(root, 1))
     env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", OMP_NUM_THREADS="1")
     log = tmp_path / "saver.log"
     with open(log, "w") as stderr:
@@ -351,21 +395,21 @@ def test_killed_save_leaves_previous_checkpoint(tmp_path):
             proc.wait()
     assert latest_step(root) == 1
     state = _target()
-    load_into(state, root, 1)
+    load_state_dict(state, step_dir(root, 1))
     assert_same(state, _small_state())
     # The next save of that step sweeps the leftover away.
-    save_atomic(_small_state(), root, 2)
+    save_state_dict(_small_state(), step_dir(root, 2))
     assert latest_step(root) == 2
     assert sorted(p.name for p in root.iterdir()) == ["step_1", "step_2"]
 
 
-def test_save_atomic_overwrites_a_step(tmp_path):
-    save_atomic(_small_state(), tmp_path, 1)
+def test_a_save_overwrites_a_step(tmp_path):
+    save_state_dict(_small_state(), step_dir(tmp_path, 1))
     newer = _small_state()
     newer["model"]["w"] += 1
-    save_atomic(newer, tmp_path, 1)
+    save_state_dict(newer, step_dir(tmp_path, 1))
     state = _target()
-    load_into(state, tmp_path, 1)
+    load_state_dict(state, step_dir(tmp_path, 1))
     assert_same(state, newer)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step_1"]
     assert latest_step(tmp_path / "absent") is None

@@ -15,10 +15,12 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from fullshard.core import manifest, shardfiles
-from fullshard.core.shardfiles import Piece
-from fullshard.core.tensorfile import Array
-from fullshard.torch.checkpoint import save_atomic, step_dir
+from fullshard.checkpoint import manifest
+from fullshard.checkpoint.formats import sharded_safetensors
+from fullshard.checkpoint.formats.safetensors_file import Array
+from fullshard.checkpoint.formats.sharded_safetensors import Piece
+from fullshard.checkpoint import step_dir
+from fullshard.torch.checkpoint import save_state_dict
 from fullshard.train.config import RUN_RECORD
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -46,7 +48,7 @@ def _state():
 def torch_root(tmp_path):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        save_atomic(_state(), tmp_path / "ckpt", 3)
+        save_state_dict(_state(), step_dir(tmp_path / "ckpt", 3))
     return tmp_path / "ckpt"
 
 
@@ -139,10 +141,10 @@ def _mindspore_checkpoint(directory: Path) -> None:
     full = np.arange(12, dtype=np.float32).reshape(4, 3)
     pieces = [Piece("model/w", (4, 3), "float32", 0, 2 * r, 2, Array(full[2 * r:2 * r + 2], "float32")) for r in (0, 1)]
     for rank, piece in enumerate(pieces):
-        shardfiles.write_rank(directory, rank, [piece])
+        sharded_safetensors.write_rank(directory, rank, [piece])
     save_id = uuid.uuid4().hex
-    shardfiles.write_metadata(directory, 2, pieces[:1], save_id)
-    manifest.write(directory, shardfiles.FRAMEWORK, save_id)
+    sharded_safetensors.write_metadata(directory, 2, pieces[:1], save_id)
+    manifest.write(directory, sharded_safetensors.FRAMEWORK, save_id)
 
 
 def test_export_of_a_damaged_mindspore_checkpoint_is_one_line(tmp_path):
@@ -157,9 +159,9 @@ def test_export_of_a_damaged_mindspore_checkpoint_is_one_line(tmp_path):
 @pytest.mark.skipif(importlib.util.find_spec("mindspore") is None, reason="MindSpore is not installed")
 def test_mindspore_resume_from_a_damaged_checkpoint_is_one_line(tmp_path):
     _mindspore_checkpoint(tmp_path / "ckpt" / "step_3")
-    (tmp_path / "ckpt" / "step_3" / shardfiles.METADATA_FILE).write_bytes(b"{}")
+    (tmp_path / "ckpt" / "step_3" / sharded_safetensors.METADATA_FILE).write_bytes(b"{}")
     proc = fullshard(*RESUME, "--framework", "mindspore", "--checkpoint-dir", tmp_path / "ckpt",
                      "--out", tmp_path / "run")
     line = one_error_line(proc, "train")
-    assert f"--resume: checkpoint {tmp_path / 'ckpt' / 'step_3'}, file {shardfiles.METADATA_FILE}: is 2 bytes" in line
+    assert f"--resume: checkpoint {tmp_path / 'ckpt' / 'step_3'}, file {sharded_safetensors.METADATA_FILE}: is 2 bytes" in line
     assert not (tmp_path / "run").exists(), "the job started"

@@ -1,8 +1,9 @@
 """The framework-free checks every checkpoint reader relies on, one mechanism at a time.
 
 Canonical JSON, plain file names and the symlink policy, the manifest, the
-pickle opcode scan, and the layout checks (chunks tiling a shape, byte
-ranges filling a file, key paths building one bounded nesting).
+pickle opcode scan, the layout checks (chunks tiling a shape, byte ranges
+filling a file, key paths building one bounded nesting), and the safetensors
+file reader (safetensors' parser, and what fullshard checks on top of it).
 """
 import collections
 import hashlib
@@ -12,12 +13,14 @@ import pickle
 import struct
 import tracemalloc
 
+import numpy as np
 import pytest
 
-from fullshard.core import canonical_json, manifest
-from fullshard.core.layout_checks import check_key_paths, check_ranges, check_tiling
-from fullshard.core.pickle_scan import check_pickle
-from fullshard.core.untrusted import CheckpointError, plain_file_name, read_whole, regular_file
+from fullshard.checkpoint import manifest
+from fullshard.checkpoint.formats.safetensors_file import Array, TensorFile, TensorFileError, save_file
+from fullshard.checkpoint.files import plain_file_name, read_whole, regular_file
+from fullshard.checkpoint.manifest import dumps_canonical, loads_canonical
+from fullshard.checkpoint.untrusted import CheckpointError, check_key_paths, check_pickle, check_ranges, check_tiling
 
 CKPT = "/ckpt/step_1"
 
@@ -35,16 +38,16 @@ def test_checkpoint_error_is_a_value_error_naming_checkpoint_and_file():
 # ---------------------------------------------------------------------- canonical JSON
 def test_canonical_json_round_trips_and_refuses_every_other_spelling():
     document = {"b": [1, None, True], "a": {"y": "z"}}
-    data = canonical_json.dumps(document)
+    data = dumps_canonical(document)
     assert data == b'{"a":{"y":"z"},"b":[1,null,true]}'
-    assert canonical_json.loads(data, CKPT, "f.json") == document
+    assert loads_canonical(data, CKPT, "f.json") == document
     for other in (b'{"a": {"y":"z"},"b":[1,null,true]}',  # a space
                   b'{"b":[1,null,true],"a":{"y":"z"}}',  # key order
                   b'{"a":{"y":"z"},"a":{"y":"z"},"b":[1,null,true]}',  # a duplicated key
                   data + b"\n", b'{"a":NaN}', b'{"a":1e0}', '{"a":"\u00e9"}'.encode(),
                   b"[" * 100_000 + b"]" * 100_000, b"\xff", b""):
         with pytest.raises(CheckpointError, match="f.json") as caught:
-            canonical_json.loads(other, CKPT, "f.json")
+            loads_canonical(other, CKPT, "f.json")
         assert CKPT in str(caught.value)
 
 
@@ -116,14 +119,83 @@ def test_a_symlink_to_an_identical_copy_is_refused(listed, tmp_path_factory):
 
 def test_the_manifest_checks_its_own_digest_and_framework(listed):
     path = listed / manifest.MANIFEST_FILE
-    document = canonical_json.loads(path.read_bytes(), CKPT, "m")
+    document = loads_canonical(path.read_bytes(), CKPT, "m")
     document["save_id"] = "save-2"  # any field changed: the digest no longer matches
-    path.write_bytes(canonical_json.dumps(document))
+    path.write_bytes(dumps_canonical(document))
     with pytest.raises(CheckpointError, match="does not match its own digest"):
         manifest.verify(listed)
     manifest.write(listed, "torch", "save-1")
     with pytest.raises(CheckpointError, match="is a torch checkpoint, not a mindspore one"):
         manifest.verify(listed, "mindspore")
+
+
+# ---------------------------------------------------------------------- safetensors files
+BF16_BITS = np.array([[0x3F80, 0x4000, 0xC040], [0x0000, 0x7F80, 0x0001]], np.uint16)  # 1, 2, -3, 0, inf, tiny
+
+
+def _tensors():
+    return {"w": Array(np.arange(12, dtype=np.float32).reshape(3, 4), "float32"), "b": Array(BF16_BITS, "bfloat16"),
+            "step": Array(np.array(7, np.int64), "int64"), "empty": Array(np.zeros((0, 4), np.float16), "float16")}
+
+
+def _with_header(path, change):
+    """``path`` rewritten with its header changed by ``change`` (canonical and padded, as fullshard writes one)."""
+    raw = path.read_bytes()
+    (length,) = struct.unpack("<Q", raw[:8])
+    header = loads_canonical(raw[8:8 + length].rstrip(b" "), CKPT, "h")
+    change(header)
+    encoded = dumps_canonical(header)
+    encoded += b" " * (-len(encoded) % 8)
+    path.write_bytes(struct.pack("<Q", len(encoded)) + encoded + raw[8 + length:])
+
+
+def test_a_safetensors_file_round_trips_bf16_scalars_empties_and_slices(tmp_path):
+    save_file(_tensors(), tmp_path / "f.safetensors", {"slices": "{}"})
+    read = TensorFile(tmp_path / "f.safetensors")
+    assert read.names() == ["b", "empty", "step", "w"] and read.metadata == {"slices": "{}"}
+    for name, array in _tensors().items():
+        got = read.read(name)
+        assert got.dtype == array.dtype and got.data.shape == array.data.shape and np.array_equal(got.data, array.data)
+    assert np.array_equal(read.read("w", [(0, 3), (1, 3)]).data, np.arange(12).reshape(3, 4)[:, 1:3])
+    assert np.array_equal(read.read("b", [(1, 2), (0, 3)]).data, BF16_BITS[1:2])  # bfloat16: its bits, sliced
+    assert read.read("empty", [(0, 0), (0, 4)]).data.shape == (0, 4)
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda h: h["w"].update(data_offsets=[0, 44]), "is refused by the safetensors parser: .*invalid"),
+    (lambda h: h["w"].update(shape=[4, 4]), "is refused by the safetensors parser: .*invalid"),
+    (lambda h: h["w"].update(dtype="Q9"), "is refused by the safetensors parser: .*unknown variant"),
+    (lambda h: h["w"].pop("shape"), "is refused by the safetensors parser: .*missing field"),
+    (lambda h: h["__metadata__"].update(slices=1), "is refused by the safetensors parser: .*expected a string"),
+    # what safetensors takes and fullshard does not write
+    (lambda h: h["w"].update(extra=1), "tensor 'w': its entry must hold exactly dtype, shape and data_offsets"),
+    (lambda h: h["w"].update(dtype="U32"), "tensor 'w': dtype 'U32' is not one fullshard writes"),
+], ids=["offsets", "shape", "unknown dtype", "missing field", "metadata type", "extra field", "other dtype"])
+def test_a_bad_header_is_a_checkpoint_error_naming_the_file(tmp_path, change, message):
+    save_file(_tensors(), tmp_path / "f.safetensors", {"slices": "{}"})
+    _with_header(tmp_path / "f.safetensors", change)
+    with pytest.raises(TensorFileError, match=f"checkpoint {tmp_path}, file f.safetensors: {message}"):
+        TensorFile(tmp_path / "f.safetensors")
+
+
+def test_a_safetensors_file_that_safetensors_takes_but_fullshard_did_not_write_is_refused(tmp_path):
+    """safetensors' own writer: not canonical JSON (its keys in its own order); a cut file: safetensors refuses."""
+    from safetensors.numpy import save_file as their_save_file
+
+    their_save_file({"w": np.zeros(3, np.float32)}, str(tmp_path / "theirs.safetensors"))
+    with pytest.raises(CheckpointError, match="file theirs.safetensors: is not in the canonical JSON form"):
+        TensorFile(tmp_path / "theirs.safetensors")
+    save_file(_tensors(), tmp_path / "cut.safetensors")
+    (tmp_path / "cut.safetensors").write_bytes((tmp_path / "cut.safetensors").read_bytes()[:-1])
+    with pytest.raises(TensorFileError, match="file cut.safetensors: is refused by the safetensors parser"):
+        TensorFile(tmp_path / "cut.safetensors")
+
+
+def test_a_safetensors_file_is_read_without_following_a_symlink(tmp_path):
+    save_file(_tensors(), tmp_path / "f.safetensors")
+    (tmp_path / "link.safetensors").symlink_to(tmp_path / "f.safetensors")
+    with pytest.raises(CheckpointError, match="file link.safetensors: is a symlink"):
+        TensorFile(tmp_path / "link.safetensors")
 
 
 # ---------------------------------------------------------------------- the pickle scan

@@ -37,19 +37,17 @@ from torch.distributed.checkpoint.metadata import (
     TensorProperties,
     TensorStorageMetadata,
 )
-from torch.distributed.checkpoint.state_dict import set_state_dict
 
 from fullshard import cli
-from fullshard.core import manifest
+from fullshard.checkpoint import CheckpointError, manifest
 from fullshard.core.procs import free_port
-from fullshard.core.untrusted import CheckpointError
-from fullshard.torch.checkpoint import export_full, load_checkpoint
+from fullshard.torch.checkpoint import export_checkpoint, load_checkpoint
 from fullshard.train import worker
 from fullshard.train.config import TrainConfig
 from tests import fuzz_checkpoint as fuzz
 from tests.harness import assert_scenario, run_suite
 from tests.suite_checkpoint import assert_same
-from tests.suite_checkpoint_fuzz import sharded_and_trained, train_state
+from tests.suite_checkpoint_fuzz import sharded_and_trained
 
 BUDGET = 560 * fuzz.SCALE
 _StorageInfo = dcp_filesystem._StorageInfo
@@ -343,7 +341,7 @@ LARGEST_TENSOR = [0]  # bytes of the largest tensor a leg asked torch.empty for 
 
 @contextlib.contextmanager
 def _tensor_requests_bounded():
-    """``torch.empty`` (what load_full allocates from the metadata) refuses, before allocating, any tensor over
+    """``torch.empty`` (what load_full_state_dict allocates from the metadata) refuses, before allocating, any tensor over
     the fuzz's memory bound, and records the largest asked for."""
     real = torch.empty
 
@@ -377,9 +375,7 @@ def _cli_line(argv: list[str]) -> str:
 
 
 def _load(model, optim, path: Path, **options) -> None:
-    state = train_state(model, optim)
-    load_checkpoint(state, path, **options)
-    set_state_dict(model, optim, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    load_checkpoint(model, path, optim, **options)
 
 
 def make_legs(model, optim, out: Path) -> tuple[dict, dict]:
@@ -398,7 +394,7 @@ def make_legs(model, optim, out: Path) -> tuple[dict, dict]:
         "resume (train job)": lambda root: _refusal(lambda: worker.load_checkpoint(
             TrainConfig(checkpoint_dir=str(root), resume=True), model, optim)),
         "resume (CLI check)": resume_cli,
-        "export": lambda root: _refusal(lambda: export_full(step(root), out, key="model")),
+        "export": lambda root: _refusal(lambda: export_checkpoint(step(root), out, key="model")),
         "export (CLI)": lambda root: _cli_line(["export", str(step(root)), str(out)]),
     }
     unverified = {
@@ -430,7 +426,7 @@ def test_every_mutation_is_refused_and_changes_nothing(saved, one_rank, tmp_path
     expected = torch.load(saved / "expected_fuzz.pt", weights_only=True)
     assert_same({n: p.full_tensor() for n, p in model.named_parameters()}, expected["model"])
     assert worker.load_checkpoint(TrainConfig(checkpoint_dir=str(pristine), resume=True), model, optim) == 1
-    assert _refusal(lambda: export_full(pristine / fuzz.STEP, out / "model.pt", key="model")) is None
+    assert _refusal(lambda: export_checkpoint(pristine / fuzz.STEP, out / "model.pt", key="model")) is None
     with contextlib.redirect_stdout(io.StringIO()):
         assert cli.main(["export", str(pristine / fuzz.STEP), str(out / "model.pt")]) == 0
     cli._check_resumable(str(pristine), "torch")

@@ -20,8 +20,8 @@ import pytest
 import torch
 
 from fullshard import cli
-from fullshard.core import atomic
-from fullshard.core.atomic import RecoveredCheckpointWarning, latest_step, partial_dir, replaced_dir, step_dir
+from fullshard.checkpoint import publish as publishing
+from fullshard.checkpoint.publish import RecoveredCheckpointWarning, latest_step, partial_dir, replaced_dir, step_dir
 
 # publish's file-system calls, in order, when step_1 and a stale step_1.replaced exist
 CALLS = ["rmtree stale .replaced", "replace step_1 to .replaced", "replace .partial to step_1", "fsync root",
@@ -38,7 +38,7 @@ class Crash(Exception):
 def crashing_at(call: int, half_way: bool):
     """Make publish's ``call``-th file-system call crash (before it, or after removing one file)."""
     seen = []
-    real_replace, real_rmtree, real_fsync = os.replace, shutil.rmtree, atomic.fsync_dir
+    real_replace, real_rmtree, real_fsync = os.replace, shutil.rmtree, publishing.fsync_dir
 
     def counted(real, name):
         def wrapper(*args, **kwargs):
@@ -55,10 +55,10 @@ def crashing_at(call: int, half_way: bool):
         with pytest.MonkeyPatch.context() as patch:
             patch.setattr(os, "replace", counted(real_replace, "replace"))
             patch.setattr(shutil, "rmtree", counted(real_rmtree, "rmtree"))
-            patch.setattr(atomic, "fsync_dir", counted(real_fsync, "fsync"))
+            patch.setattr(publishing, "fsync_dir", counted(real_fsync, "fsync"))
             return real_publish(final)
 
-    real_publish = atomic.publish
+    real_publish = publishing.publish
     yield publish, seen
 
 
@@ -66,24 +66,30 @@ def crashing_at(call: int, half_way: bool):
 class TorchFormat:
     name = "torch"
 
-    def save(self, root, value: float) -> None:
-        from fullshard.torch.checkpoint import save_atomic
+    def __init__(self):
+        self.module = torch.nn.Linear(4, 3)
 
+    def save(self, root, value: float) -> None:
+        from fullshard.torch.checkpoint import save_checkpoint
+
+        with torch.no_grad():
+            self.module.weight.fill_(value)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            save_atomic({"model": {"w": torch.full((3, 4), value)}}, root, 1)
+            save_checkpoint(self.module, step_dir(root, 1))
 
     def load(self, root) -> float:
-        from fullshard.torch.checkpoint import load_into
+        from fullshard.torch.checkpoint import load_checkpoint
 
-        state = {"model": {"w": torch.zeros(3, 4)}}
+        with torch.no_grad():
+            self.module.weight.zero_()
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process")
-            load_into(state, root, latest_step(root))
-        return float(state["model"]["w"][0, 0])
+            load_checkpoint(self.module, step_dir(root, latest_step(root)))
+        return float(self.module.weight[0, 0])
 
     def exported(self, out) -> float:
-        return float(torch.load(out, weights_only=True)["w"][0, 0])
+        return float(torch.load(out, weights_only=True)["weight"][0, 0])
 
     suffix = ".pt"
 
@@ -113,7 +119,7 @@ class MindSporeFormat:
         return float(self.cell.weight.asnumpy()[0, 0])
 
     def exported(self, out) -> float:
-        from fullshard.core.tensorfile import TensorFile
+        from fullshard.checkpoint.formats.safetensors_file import TensorFile
 
         return float(TensorFile(out).read("weight").data[0, 0])
 
@@ -149,7 +155,7 @@ def test_a_crash_at_any_step_of_publish_leaves_a_complete_checkpoint(fmt, tmp_pa
     fmt.save(root, 1.0)  # A
     shutil.copytree(step_dir(root, 1), replaced_dir(step_dir(root, 1)))
     with crashing_at(call, half_way) as (publish, seen), pytest.MonkeyPatch.context() as patch:
-        patch.setattr(atomic, "publish", publish)  # both runtimes save through atomic.save_together
+        patch.setattr(publishing, "publish", publish)  # both runtimes save through publishing.save_together
         if call < len(CALLS):
             with pytest.raises(Crash):
                 fmt.save(root, 2.0)  # B
@@ -183,9 +189,9 @@ def _check_export(fmt, root, tmp_path, value, beside) -> None:
 
 
 def test_publish_refuses_a_partial_without_its_manifest(tmp_path):
-    atomic.start_partial(tmp_path / "step_1")
+    publishing.start_partial(tmp_path / "step_1")
     with pytest.raises(RuntimeError, match="has no fullshard.manifest.json"):
-        atomic.publish(tmp_path / "step_1")
+        publishing.publish(tmp_path / "step_1")
 
 
 def test_a_partial_cut_short_is_never_taken(tmp_path):
@@ -196,4 +202,4 @@ def test_a_partial_cut_short_is_never_taken(tmp_path):
     victim = next(p for p in partial_dir(step_dir(tmp_path, 1)).iterdir() if p.suffix == ".distcp")
     victim.write_bytes(victim.read_bytes()[:-1])
     assert latest_step(tmp_path) is None
-    assert atomic.resolve(step_dir(tmp_path, 1)) == step_dir(tmp_path, 1)  # missing: the loader says so
+    assert publishing.resolve(step_dir(tmp_path, 1)) == step_dir(tmp_path, 1)  # missing: the loader says so

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from fullshard.torch.checkpoint import latest_step
+from fullshard.checkpoint import latest_step
 from fullshard.cli import format_bytes
 from fullshard.models.gpt import GPT, MODEL_SIZES
 from fullshard.plan.strategy import Strategy, peak_state_bytes

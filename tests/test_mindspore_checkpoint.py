@@ -12,8 +12,8 @@ import pytest
 
 pytest.importorskip("mindspore")
 
-from fullshard.core import shardfiles  # noqa: E402
-from fullshard.core.atomic import partial_dir  # noqa: E402
+from fullshard.checkpoint.formats import sharded_safetensors  # noqa: E402
+from fullshard.checkpoint.publish import partial_dir  # noqa: E402
 from fullshard.core.msrun import WorkerFailed, launch  # noqa: E402
 from tests.harness import assert_scenario, suite_tests  # noqa: E402
 from tests.ms_harness import run_ms_suite  # noqa: E402
@@ -61,20 +61,20 @@ def test_a_worker_killed_mid_save_leaves_the_previous_checkpoint(tmp_path):
                env={"PYTHONPATH": str(ROOT)})
     assert failure.value.rank == 1 and failure.value.exit_code == -9, str(failure.value)
     target = tmp_path / "ckpt"
-    assert partial_dir(target).is_dir() and not (partial_dir(target) / shardfiles.METADATA_FILE).exists()
-    checkpoint = shardfiles.ShardedCheckpoint(target)  # the complete one, untouched
+    assert partial_dir(target).is_dir() and not (partial_dir(target) / sharded_safetensors.METADATA_FILE).exists()
+    checkpoint = sharded_safetensors.ShardedCheckpoint(target)  # the complete one, untouched
     expected = np.load(tmp_path / "expected.npz")
     for name in expected.files:
         assert np.array_equal(checkpoint.full(f"model/{name}").data, expected[name]), name
     assert len(checkpoint.names("optim")) > 0
-    shardfiles.export_full(target, tmp_path / "model.safetensors")
+    sharded_safetensors.export_full(target, tmp_path / "model.safetensors")
 
 
 def test_mindspore_paths_import_no_torch():
     """The checkpoint format, the MindSpore job, its GPT, the benchmark and the CLI work without torch."""
     subprocess.run([sys.executable, "-c",
                     "import sys; sys.modules['torch'] = None\n"
-                    "import fullshard.mindspore.checkpoint, fullshard.core.shardfiles, fullshard.core.msrun\n"
+                    "import fullshard.mindspore.checkpoint, fullshard.checkpoint.formats.sharded_safetensors, fullshard.core.msrun\n"
                     "import fullshard.train.worker_mindspore, fullshard.train.report, fullshard.models.gpt_mindspore\n"
                     "import fullshard.bench, fullshard.bench.mindspore_runner, fullshard.cli\n"
                     "assert sys.modules['torch'] is None"], check=True, cwd=ROOT)

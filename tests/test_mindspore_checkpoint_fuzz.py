@@ -26,10 +26,12 @@ from mindspore import nn  # noqa: E402
 
 import fullshard.mindspore as fs  # noqa: E402
 from fullshard import cli  # noqa: E402
-from fullshard.core import canonical_json, manifest, shardfiles  # noqa: E402
-from fullshard.core.shardfiles import METADATA_FILE, Piece, rank_file  # noqa: E402
-from fullshard.core.tensorfile import Array  # noqa: E402
-from fullshard.core.untrusted import CheckpointError  # noqa: E402
+from fullshard.checkpoint import manifest  # noqa: E402
+from fullshard.checkpoint.formats import sharded_safetensors  # noqa: E402
+from fullshard.checkpoint.formats.safetensors_file import Array  # noqa: E402
+from fullshard.checkpoint.formats.sharded_safetensors import METADATA_FILE, Piece, rank_file  # noqa: E402
+from fullshard.checkpoint.manifest import dumps_canonical  # noqa: E402
+from fullshard.checkpoint.untrusted import CheckpointError  # noqa: E402
 from fullshard.mindspore.checkpoint import _targets, _to_array  # noqa: E402
 from fullshard.train import worker_mindspore  # noqa: E402
 from fullshard.train.config import TrainConfig  # noqa: E402
@@ -64,10 +66,10 @@ def write_two_rank_checkpoint(net, opt, directory: Path) -> None:
             for rank in (0, 1):
                 ranks[rank].append(Piece(piece.key, piece.shape, piece.dtype, None, 0, 0, array))
     for rank in (0, 1):
-        shardfiles.write_rank(directory, rank, ranks[rank])
+        sharded_safetensors.write_rank(directory, rank, ranks[rank])
     save_id = uuid.uuid4().hex
-    shardfiles.write_metadata(directory, 2, ranks[0], save_id)
-    manifest.write(directory, shardfiles.FRAMEWORK, save_id)
+    sharded_safetensors.write_metadata(directory, 2, ranks[0], save_id)
+    manifest.write(directory, sharded_safetensors.FRAMEWORK, save_id)
 
 
 # ---------------------------------------------------------------------- the JSON inside the checkpoint
@@ -78,7 +80,7 @@ def _read_header(path: Path) -> tuple[dict, bytes]:
 
 
 def _write_header(path: Path, header, data: bytes, canonical: bool = True) -> None:
-    encoded = canonical_json.dumps(header) if canonical else json.dumps(header, indent=1).encode()
+    encoded = dumps_canonical(header) if canonical else json.dumps(header, indent=1).encode()
     encoded += b" " * (-len(encoded) % 8)
     path.write_bytes(struct.pack("<Q", len(encoded)) + encoded + data)
 
@@ -94,7 +96,7 @@ def _slices_site(rank: int) -> fuzz.JsonSite:
 
     def write(directory: Path, slices) -> None:
         header, data = _read_header(directory / name)
-        header["__metadata__"]["slices"] = canonical_json.dumps(slices).decode()
+        header["__metadata__"]["slices"] = dumps_canonical(slices).decode()
         _write_header(directory / name, header, data)
 
     return fuzz.JsonSite(f"{name}:slices", lambda d: json.loads(_read_header(d / name)[0]["__metadata__"]["slices"]),
@@ -107,12 +109,12 @@ def _write_manifest(directory: Path, document) -> None:
 
     if isinstance(document, dict) and "digest" in document:
         body = {k: v for k, v in document.items() if k != "digest"}
-        document["digest"] = hashlib.sha256(canonical_json.dumps(body)).hexdigest()
-    (directory / manifest.MANIFEST_FILE).write_bytes(canonical_json.dumps(document))
+        document["digest"] = hashlib.sha256(dumps_canonical(body)).hexdigest()
+    (directory / manifest.MANIFEST_FILE).write_bytes(dumps_canonical(document))
 
 
 METADATA_SITE = fuzz.JsonSite(METADATA_FILE, lambda d: json.loads((d / METADATA_FILE).read_bytes()),
-                              lambda d, doc: (d / METADATA_FILE).write_bytes(canonical_json.dumps(doc)))
+                              lambda d, doc: (d / METADATA_FILE).write_bytes(dumps_canonical(doc)))
 MANIFEST_SITE = fuzz.JsonSite(manifest.MANIFEST_FILE, lambda d: json.loads((d / manifest.MANIFEST_FILE).read_bytes()),
                               _write_manifest)
 
@@ -192,7 +194,7 @@ def make_legs(net, opt, out: Path) -> dict:
         "load": lambda root: _refusal(lambda: fs.load_checkpoint(net, root / fuzz.STEP, opt)),
         "resume (train job)": lambda root: _refusal(lambda: worker_mindspore.resume(cfg(root), net, opt)),
         "resume (CLI check)": resume_cli,
-        "export": lambda root: _refusal(lambda: shardfiles.export_full(root / fuzz.STEP, out)),
+        "export": lambda root: _refusal(lambda: sharded_safetensors.export_full(root / fuzz.STEP, out)),
         "export (CLI)": lambda root: fuzz.cli_line(cli.main, ["export", str(root / fuzz.STEP), str(out)]),
     }
 
@@ -219,7 +221,7 @@ def test_every_mutation_is_refused_and_changes_nothing(tmp_path):
     loaded = {n: p.asnumpy() for n, p in net.parameters_and_names()}
     assert all(np.array_equal(loaded[n], p.asnumpy()) for n, p in saved_net.parameters_and_names())
     assert worker_mindspore.resume(TrainConfig(checkpoint_dir=str(pristine), framework="mindspore"), net, opt) == 1
-    shardfiles.export_full(pristine / fuzz.STEP, out / "model.safetensors")
+    sharded_safetensors.export_full(pristine / fuzz.STEP, out / "model.safetensors")
     with contextlib.redirect_stdout(io.StringIO()):
         assert cli.main(["export", str(pristine / fuzz.STEP), str(out / "model.safetensors")]) == 0
     cli._check_resumable(str(pristine), "mindspore")
@@ -228,7 +230,7 @@ def test_every_mutation_is_refused_and_changes_nothing(tmp_path):
     legs = make_legs(net, opt, out / "model.safetensors")
     chosen = mutations(pristine / fuzz.STEP, bait)
     assert len(chosen) >= 500
-    report = fuzz.run(chosen, pristine, work, legs, _snapshot(net, opt), shardfiles.FRAMEWORK)
+    report = fuzz.run(chosen, pristine, work, legs, _snapshot(net, opt), sharded_safetensors.FRAMEWORK)
     assert not list(out.iterdir()), "an export wrote a file"
     fuzz.write_report(report, "mindspore")
     assert sum(report.legs.values()) == len(chosen) * len(legs)
@@ -246,9 +248,9 @@ def test_the_reported_cases(tmp_path):
         document = METADATA_SITE.read(victim)
         document["files"][0] = hostile
         METADATA_SITE.write(victim, document)
-        fuzz.craft_manifest(victim, shardfiles.FRAMEWORK)
+        fuzz.craft_manifest(victim, sharded_safetensors.FRAMEWORK)
         with pytest.raises(CheckpointError, match=r"files .* are not exactly rank_<r>.safetensors"):
-            shardfiles.export_full(victim, tmp_path / "out.safetensors")
+            sharded_safetensors.export_full(victim, tmp_path / "out.safetensors")
     assert not (tmp_path / "out.safetensors").exists()
 
 
@@ -263,3 +265,14 @@ def test_a_cell_that_does_not_fit_is_named(tmp_path):
                                               "float16"):
         fs.load_checkpoint(target, tmp_path / "ckpt")
     assert np.array_equal(target.weight.asnumpy(), before)
+
+
+def test_strict_false_ignores_what_the_cell_does_not_have(tmp_path):
+    """As on torch: strict (the default) names a checkpoint entry the cell lacks; strict=False loads the rest."""
+    saved = nn.Dense(4, 3)
+    fs.save_checkpoint(saved, tmp_path / "ckpt")
+    target = nn.Dense(4, 3, has_bias=False)
+    with pytest.raises(CheckpointError, match="unexpected in checkpoint: parameter 'bias'"):
+        fs.load_checkpoint(target, tmp_path / "ckpt")
+    fs.load_checkpoint(target, tmp_path / "ckpt", strict=False)
+    assert np.array_equal(target.weight.asnumpy(), saved.weight.asnumpy())

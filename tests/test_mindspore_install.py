@@ -42,6 +42,7 @@ def test_each_extra_brings_one_framework():
     assert "torch" in names(extras["torch"]) and "mindspore" not in names(extras["torch"])
     assert {"mindspore", "numpy"} <= names(extras["mindspore"]) and "torch" not in names(extras["mindspore"])
     assert "numpy<2" in extras["mindspore"]
+    assert "safetensors" in names(extras["mindspore"])  # the MindSpore checkpoint reader
     pins = (ROOT / "constraints.txt").read_text().split()
     assert "mindspore==2.10.0" in pins and any(p.startswith("numpy==1.") for p in pins)
     assert "torch,mindspore," in (ROOT / "run").read_text()

@@ -15,8 +15,8 @@ import pytest
 
 pytest.importorskip("mindspore")
 
-from fullshard.core import shardfiles  # noqa: E402
-from fullshard.core.tensorfile import TensorFile  # noqa: E402
+from fullshard.checkpoint.formats import sharded_safetensors  # noqa: E402
+from fullshard.checkpoint.formats.safetensors_file import TensorFile  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = ["train", "--framework", "mindspore", "--model", "tiny", "--batch-size", "4", "--nproc", "2"]
@@ -107,7 +107,7 @@ def test_export_of_a_training_checkpoint(run, tmp_path):
     proc = fullshard("export", str(out / "ckpt" / f"step_{STEPS}"), str(tmp_path / "gpt.safetensors"), timeout=60)
     assert proc.returncode == 0, proc.stderr
     exported = TensorFile(tmp_path / "gpt.safetensors")
-    checkpoint = shardfiles.ShardedCheckpoint(out / "ckpt" / f"step_{STEPS}")
+    checkpoint = sharded_safetensors.ShardedCheckpoint(out / "ckpt" / f"step_{STEPS}")
     assert exported.names() == checkpoint.names("model") and "wte.embedding_table" in exported.names()
     assert exported.shape("layers.0.attn.qkv.weight") == (192, 64)
     bad = fullshard("export", str(out / "report"), str(tmp_path / "x.safetensors"), "--framework", "mindspore",

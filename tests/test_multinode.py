@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from fullshard.core.atomic import latest_step
+from fullshard.checkpoint import latest_step
 from fullshard.core.procs import descendants, free_port
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -184,7 +184,7 @@ def test_the_2x2_checkpoint_resumes_on_one_node(torch_hsdp, tmp_path, nproc):
 
 
 def test_a_killed_node_fails_the_other_fast_naming_its_ranks(tmp_path):
-    from fullshard.torch.checkpoint import load_full
+    from fullshard.torch.checkpoint import load_full_state_dict
 
     nodes = fullshard_nodes(tmp_path, "--steps", "40", "--checkpoint-dir", str(tmp_path / "ckpt"),
                             "--checkpoint-every", "1")
@@ -194,7 +194,7 @@ def test_a_killed_node_fails_the_other_fast_naming_its_ranks(tmp_path):
     finally:
         nodes.stop()
     _assert_lost_node_1(nodes, elapsed, err, left, tmp_path / "ckpt")
-    state = load_full(tmp_path / "ckpt" / f"step_{latest_step(tmp_path / 'ckpt')}")  # complete: it loads
+    state = load_full_state_dict(tmp_path / "ckpt" / f"step_{latest_step(tmp_path / 'ckpt')}")  # complete: it loads
     assert state["model"]["wte.weight"].shape == (256, 64)
 
 
@@ -276,8 +276,8 @@ def test_the_mindspore_2x2_checkpoint_resumes_on_one_node_of_2(ms_hsdp, tmp_path
 
 def test_a_killed_mindspore_node_fails_the_other_fast_naming_its_ranks(tmp_path):
     pytest.importorskip("mindspore")
-    from fullshard.core import shardfiles
-    from fullshard.core.tensorfile import TensorFile
+    from fullshard.checkpoint.formats import sharded_safetensors
+    from fullshard.checkpoint.formats.safetensors_file import TensorFile
 
     nodes = fullshard_nodes(tmp_path, "--framework", "mindspore", "--steps", "20",
                             "--checkpoint-dir", str(tmp_path / "ckpt"), "--checkpoint-every", "1")
@@ -288,7 +288,7 @@ def test_a_killed_mindspore_node_fails_the_other_fast_naming_its_ranks(tmp_path)
         nodes.stop()
     _assert_lost_node_1(nodes, elapsed, err, left, tmp_path / "ckpt")
     last = tmp_path / "ckpt" / f"step_{latest_step(tmp_path / 'ckpt')}"
-    shardfiles.export_full(last, tmp_path / "gpt.safetensors")  # every shard of it reads back
+    sharded_safetensors.export_full(last, tmp_path / "gpt.safetensors")  # every shard of it reads back
     assert "wte.embedding_table" in TensorFile(tmp_path / "gpt.safetensors").names()
 
 

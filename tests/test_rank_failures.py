@@ -1,4 +1,4 @@
-"""Sharing a failure (``fullshard.core.rank_failures``) on plain objects: ranks are threads, a group's sum is
+"""Sharing a failure (``fullshard.checkpoint.publish``) on plain objects: ranks are threads, a group's sum is
 a barrier that adds what every thread brought (``tests.test_agreement.FakeGroup``). Real ranks:
 tests/suite_checkpoint.py (torch) and tests/ms_suite_checkpoint.py (MindSpore) fail saves on one rank."""
 import errno
@@ -7,7 +7,7 @@ import threading
 import pytest
 
 from fullshard.core.agreement import Ranks, alone
-from fullshard.core.rank_failures import CAUSE_BYTES, RanksFailed, run_together, share
+from fullshard.checkpoint.publish import CAUSE_BYTES, RanksFailed, run_together, share
 from tests.test_agreement import FakeGroup
 
 FIX = "Fix it and try again"

@@ -1,16 +1,21 @@
 """Sharded checkpoints of MindSpore cells: full parameters, save, checked load at any layout, export.
 
+The same functions as the torch runtime's (``fullshard.torch.checkpoint``), with the same arguments:
+``save_checkpoint(cell, path, optimizer=None)``, ``load_checkpoint(cell, path, optimizer=None, *,
+strict=True)``, ``export_checkpoint(path, out_file)`` and ``full_state_dict(cell)``; the step
+directories a training job keeps are :mod:`fullshard.checkpoint`'s (``step_dir``, ``latest_step``).
+
 ``save_checkpoint(cell, path, optimizer)`` writes every rank's shards of the
 parameters and of the optimizer state per parameter (``nn.Adam``'s
 ``moment1``/``moment2``, ``nn.AdamWeightDecay``'s ``adam_m``/``adam_v``: any
 optimizer Parameter named ``<state>.<parameter name>`` with the shard's
 shape), plus the optimizer's other Parameters whole (step, beta powers,
-learning rate). The format is :mod:`fullshard.core.shardfiles`: safetensors
+learning rate). The format is :mod:`fullshard.checkpoint.formats.sharded_safetensors`: safetensors
 files and JSON, nothing a load unpickles. The directory appears complete or
-not at all (:mod:`fullshard.core.atomic`): every rank writes into
+not at all (:mod:`fullshard.checkpoint.publish`): every rank writes into
 ``<path>.partial``, all ranks agree that every file is complete, and only
 then rank 0 writes the metadata and the manifest (the size and SHA-256 of
-every file, :mod:`fullshard.core.manifest`) and renames the directory.
+every file, :mod:`fullshard.checkpoint.manifest`) and renames the directory.
 
 ``load_checkpoint(cell, path, optimizer)`` fills a cell sharded at any world
 size, mesh and placement (or not sharded at all): each rank reads the pieces
@@ -18,7 +23,7 @@ its own chunks need. It first verifies the manifest and checks every field
 of the checkpoint, then every name, global shape and dtype against the cell,
 and reads every value; only then does it write anything, so a checkpoint
 that is damaged or does not fit (a
-:class:`~fullshard.core.untrusted.CheckpointError`) leaves the cell and the
+:class:`~fullshard.checkpoint.untrusted.CheckpointError`) leaves the cell and the
 optimizer as they were.
 """
 from __future__ import annotations
@@ -31,12 +36,13 @@ import mindspore as ms
 import numpy as np
 from mindspore import Parameter, Tensor, nn, ops
 
-from fullshard.core import manifest, shardfiles
-from fullshard.core.atomic import save_together
-from fullshard.core.shardfiles import MODEL, OPTIM, Piece, ShardedCheckpoint, key
-from fullshard.core.tensorfile import Array
+from fullshard.checkpoint import manifest
+from fullshard.checkpoint.formats import sharded_safetensors
+from fullshard.checkpoint.formats.safetensors_file import Array
+from fullshard.checkpoint.formats.sharded_safetensors import MODEL, OPTIM, Piece, ShardedCheckpoint, key
+from fullshard.checkpoint.publish import save_together
+from fullshard.checkpoint.untrusted import CheckpointError
 from fullshard.core.unit import distinct_units
-from fullshard.core.untrusted import CheckpointError
 from fullshard.mindspore.autograd import no_grad
 from fullshard.mindspore.buckets import gather_full
 from fullshard.mindspore.collectives import world_ranks
@@ -117,8 +123,8 @@ def save_checkpoint(cell: nn.Cell, path: Union[str, Path], optimizer: Optional[n
     Call it on every rank (every rank must see the same ``path``). The
     directory appears only when complete; an interrupted save leaves the
     previous ``path`` (if any) as it was and a ``<path>.partial`` the next save clears.
-    A failure on any rank raises :class:`~fullshard.core.rank_failures.RanksFailed` on every rank,
-    naming it (:func:`~fullshard.core.atomic.save_together`); alone, the error itself.
+    A failure on any rank raises :class:`~fullshard.checkpoint.publish.RanksFailed` on every rank,
+    naming it (:func:`~fullshard.checkpoint.publish.save_together`); alone, the error itself.
     """
     ranks = world_ranks()
     with no_grad():
@@ -127,22 +133,25 @@ def save_checkpoint(cell: nn.Cell, path: Union[str, Path], optimizer: Optional[n
 
     def write_manifest(partial: Path) -> None:
         save_id = uuid.uuid4().hex
-        shardfiles.write_metadata(partial, ranks.slots, pieces, save_id)
-        manifest.write(partial, shardfiles.FRAMEWORK, save_id)
+        sharded_safetensors.write_metadata(partial, ranks.slots, pieces, save_id)
+        manifest.write(partial, sharded_safetensors.FRAMEWORK, save_id)
 
-    return save_together(path, ranks, lambda partial: shardfiles.write_rank(partial, ranks.slot, pieces),
+    return save_together(path, ranks, lambda partial: sharded_safetensors.write_rank(partial, ranks.slot, pieces),
                          write_manifest, "save_checkpoint")
 
 
 # ---------------------------------------------------------------------- loading
-def load_checkpoint(cell: nn.Cell, path: Union[str, Path], optimizer: Optional[nn.Optimizer] = None) -> None:
+def load_checkpoint(cell: nn.Cell, path: Union[str, Path], optimizer: Optional[nn.Optimizer] = None, *,
+                    strict: bool = True) -> None:
     """Fill ``cell`` (and ``optimizer``) from checkpoint directory ``path``, whatever layout saved it.
 
-    Raises :class:`~fullshard.core.untrusted.CheckpointError` (a
+    Raises :class:`~fullshard.checkpoint.untrusted.CheckpointError` (a
     ``ValueError``) for a damaged or crafted checkpoint, naming the file, and
     for one that does not fit, naming every missing, unexpected or different
     parameter (name, global shape, dtype), before anything is written: the
-    cell and optimizer are then untouched. Every rank reads the files itself
+    cell and optimizer are then untouched. Without an optimizer the
+    checkpoint's optimizer state is not read; ``strict=False`` ignores entries
+    the cell (and optimizer) do not have. Every rank reads the files itself
     (no collective). A ``path`` that a crash during its save left missing is
     loaded from the complete copy beside it, with a warning.
     """
@@ -150,7 +159,7 @@ def load_checkpoint(cell: nn.Cell, path: Union[str, Path], optimizer: Optional[n
     targets = _targets(cell, optimizer)
     sections = (MODEL, OPTIM) if optimizer is not None else (MODEL,)
     what = "cell and optimizer" if optimizer is not None else "cell"
-    checkpoint.check({p.key: (p.shape, p.dtype) for p, _ in targets}, sections, what)
+    checkpoint.check({p.key: (p.shape, p.dtype) for p, _ in targets}, sections, what, strict)
     values = []
     for piece, target in targets:  # read everything first: a file that fails to read changes nothing
         try:
@@ -181,7 +190,7 @@ def export_checkpoint(path: Union[str, Path], out_file: Union[str, Path]) -> Pat
 
     A plain MindSpore model loads it with ``ms.load_checkpoint(out_file, net=model, format="safetensors")``.
     """
-    return shardfiles.export_full(path, out_file)
+    return sharded_safetensors.export_full(path, out_file)
 
 
 __all__ = ["export_checkpoint", "full_state_dict", "load_checkpoint", "save_checkpoint"]

@@ -1,114 +1,148 @@
-"""Sharded checkpoints on torch.distributed.checkpoint (DCP): atomic saves, checked and safe loads, export.
+"""Sharded checkpoints of torch modules on torch.distributed.checkpoint (DCP): save, checked load, export.
 
-A checkpoint is a DCP directory ``step_<N>``. It is written as
-``step_<N>.partial`` by every rank; once all ranks finished, rank 0 writes
-the manifest (size and SHA-256 of every file, :mod:`fullshard.core.manifest`)
-and publishes the directory (:mod:`fullshard.core.atomic`), so a crash at
-any point leaves a complete checkpoint that :func:`latest_step` and every
-loader find.
+The same functions as ``fullshard.mindspore``, with the same arguments:
+:func:`save_checkpoint` ``(module, path, optimizer=None)``,
+:func:`load_checkpoint` ``(module, path, optimizer=None)``,
+:func:`export_checkpoint` ``(path, out_file)`` and :func:`full_state_dict`
+``(module)``; the step directories a training job keeps are
+:mod:`fullshard.checkpoint`'s (``step_dir``, ``latest_step``). A checkpoint
+holds ``{"model": ..., "optim": ...}``: the module's and the optimizer's
+state dicts as ``torch.distributed.checkpoint.state_dict.get_state_dict``
+gives them (keys are parameter names; sharded parameters and their optimizer
+state are DTensors, so each rank writes its own shards), which is what FSDP2
+jobs save: checkpoints go both ways. It loads at any world size, mesh and
+placement, or into a plain module in one process (DCP reshards).
 
-A checkpoint is untrusted input. Loading first verifies the manifest (a
-stock DCP checkpoint has none: ``require_manifest=False`` accepts one, with
-every other check), then checks every field of the metadata for type and
-range: storage file names are plain names of regular files in the
-directory, every chunk lies inside its tensor's shape and the chunks tile
-it, every stored byte range lies inside its file, key paths build one
-bounded nesting. Anything wrong is a
-:class:`~fullshard.core.untrusted.CheckpointError` (a ``ValueError``) naming
-the file. It then compares the metadata with the state to fill and raises
-one ``CheckpointError`` listing every missing or unexpected key and every
-shape, dtype or kind mismatch, before any collective starts (every rank
-reads the same metadata, so every rank raises and none hangs). DCP
-resharding does the rest: a checkpoint saved at any world size and
-placement loads into any other.
+The same machinery over any state dict, for DCP users:
+:func:`save_state_dict`, :func:`load_state_dict` (fills it in place, like
+``dcp.load``), :func:`load_full_state_dict` (one process, no process group),
+:func:`read_metadata`, :func:`check_compatible`, and the reader and planner
+to hand ``dcp.load`` yourself (:class:`SafeFileSystemReader`,
+:class:`SafeLoadPlanner`). A stock DCP checkpoint (an FSDP2 job's, with no
+fullshard manifest) loads with ``require_manifest=False``.
 
-Loading never runs code from the checkpoint. Stock DCP unpickles the
-``.metadata`` file with ``pickle.load`` and non-tensor values with
-``torch.load(weights_only=False)``, both of which execute whatever a crafted
-file asks for; here the metadata's opcodes are scanned first (no count in
-it may ask for more memory than the file holds,
-:mod:`fullshard.core.pickle_scan`), then it goes through an unpickler that
-only builds DCP's own metadata classes and torch sizes/dtypes, and
-non-tensor values must pass ``torch.load(weights_only=True)``. Tensor data
-is already read with ``weights_only=True`` by DCP.
+A save is written as ``<path>.partial`` by every rank; once all ranks
+finished, rank 0 writes the manifest (size and SHA-256 of every file,
+:mod:`fullshard.checkpoint.manifest`) and publishes the directory
+(:mod:`fullshard.checkpoint.publish`), so a crash at any point leaves a
+complete checkpoint that ``latest_step`` and every loader find.
 
-:func:`load_full` and :func:`export_full` turn a checkpoint into a full,
-unsharded state dict in one process, without any process group.
+A checkpoint is untrusted input. Loading first verifies the manifest and
+checks every field of the metadata (:mod:`fullshard.torch.checkpoint_metadata`;
+anything wrong is a :class:`~fullshard.checkpoint.untrusted.CheckpointError`,
+a ``ValueError``, naming the file), then compares it with the state to fill
+and raises one ``CheckpointError`` listing every missing or unexpected key
+and every shape, dtype or kind mismatch, before any collective starts (every
+rank reads the same metadata, so every rank raises and none hangs). Loading
+never runs code from the checkpoint: the metadata goes through a restricted
+unpickler, non-tensor values must pass ``torch.load(weights_only=True)``
+(stock DCP uses ``torch.load(weights_only=False)``), and tensor data is read
+by DCP with ``weights_only=True``.
 """
 from __future__ import annotations
 
-import collections
-import dataclasses
-import enum
-import functools
 import io
 import os
-import pathlib
-import pickle
 import warnings
-from math import prod
-from pathlib import Path, PurePath
-from typing import Any, Optional, Union
+from pathlib import Path
+from typing import Any, Iterable, Optional, Union
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import filesystem as dcp_filesystem
-from torch.distributed.checkpoint import metadata as dcp_metadata
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-from torch.distributed.checkpoint.metadata import (
-    BytesStorageMetadata,
-    ChunkStorageMetadata,
-    Metadata,
-    MetadataIndex,
-    StorageMeta,
-    TensorProperties,
-    TensorStorageMetadata,
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, StorageMeta, TensorStorageMetadata
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_state_dict,
 )
 
-from fullshard.core import manifest
+from fullshard.checkpoint import manifest
+from fullshard.checkpoint.publish import save_together
+from fullshard.checkpoint.untrusted import CheckpointError
 from fullshard.core.agreement import Ranks
-from fullshard.core.atomic import latest_step, resolve, save_together, step_dir  # noqa: F401 (latest_step: public here)
-from fullshard.core.layout_checks import check_key_paths, check_ranges, check_shape, check_tiling
-from fullshard.core.pickle_scan import check_pickle
-from fullshard.core.untrusted import CheckpointError, is_int, plain_file_name, read_whole, regular_file, show
+from fullshard.torch.checkpoint_metadata import FRAMEWORK, METADATA_FILE, checked_metadata, open_metadata
 from fullshard.torch.collectives import ranks_summing_over
 
-# DCP's name for the metadata file (``filesystem._metadata_fn``, private there).
-_METADATA_FILE = ".metadata"
-_MAX_METADATA_BYTES = 2 << 30
-_FRAMEWORK = "torch"
-# Tensor dtypes a checkpoint may declare: the plain ones (no quantized or sub-byte packed types).
-_DTYPES = frozenset(d for d in (
-    "float64", "float32", "float16", "bfloat16", "complex128", "complex64", "complex32",
-    "int64", "int32", "int16", "int8", "uint64", "uint32", "uint16", "uint8", "bool",
-    "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu",
-) if isinstance(getattr(torch, d, None), torch.dtype))
-_MEMORY_FORMATS = (torch.contiguous_format, torch.channels_last, torch.preserve_format)
-_MAX_TEXT = 4096
-_NO_MANIFEST_FIX = (
-    "it was not saved by fullshard (a stock DCP or FSDP2 checkpoint), or its save never finished. To load a "
-    "stock checkpoint, pass require_manifest=False (fullshard export --without-manifest): every structural "
-    "check still runs, only the digests are missing")
+# The top-level entries of a module checkpoint (the same sections as MindSpore's).
+MODEL, OPTIM = "model", "optim"
 # At most this many problems are spelled out in one mismatch error.
 _MAX_REPORTED = 20
 
 
-def save_atomic(state: dict[str, Any], root: Path, step: int) -> Path:
-    """Save ``state`` (DTensor state dicts) collectively; the directory appears only when complete.
+# ---------------------------------------------------------------------- modules
+def save_checkpoint(module: torch.nn.Module, path: Union[str, Path],
+                    optimizer: Optional[torch.optim.Optimizer] = None) -> Path:
+    """Save ``module`` (and ``optimizer``'s state) as checkpoint directory ``path``; returns ``path``.
 
-    Every rank must see the same ``root`` (a shared file system on several
-    machines). DCP fsyncs its files; rank 0 then reads every file once to
-    write the manifest, and publishes the directory (fsynced too), so after a
-    crash ``step_<N>`` or the copy beside it is complete. A failure on any
-    rank raises :class:`~fullshard.core.rank_failures.RanksFailed` on every
-    rank, naming it (:func:`~fullshard.core.atomic.save_together`); alone,
-    the error itself.
+    Call it on every rank (every rank must see the same ``path``: a shared file system on several
+    machines). Each rank writes its shards; the directory appears only when complete, and an
+    interrupted save leaves the previous ``path`` (if any) as it was and a ``<path>.partial`` the next
+    save clears. A failure on any rank raises :class:`~fullshard.checkpoint.publish.RanksFailed` on
+    every rank, naming it; alone, the error itself.
     """
+    return _save(_module_state(module, optimizer), path, "save_checkpoint")
+
+
+def load_checkpoint(module: torch.nn.Module, path: Union[str, Path], optimizer: Optional[torch.optim.Optimizer] = None,
+                    *, strict: bool = True, require_manifest: bool = True) -> None:
+    """Fill ``module`` (and ``optimizer``) from checkpoint directory ``path``, whatever layout saved it.
+
+    Collective when a process group is initialized; a plain module in one process loads too. The
+    checkpoint is checked as untrusted input, then against the module (and optimizer): a
+    :class:`~fullshard.checkpoint.untrusted.CheckpointError` names every missing, unexpected or
+    different entry before anything is read into them. Without an optimizer the checkpoint's
+    optimizer state is not read. ``strict=False`` ignores entries the module does not have;
+    ``require_manifest=False`` also loads a stock DCP checkpoint (an FSDP2 job's: every check but the
+    digests). A ``path`` that a crash during its save left missing is loaded from the complete copy
+    beside it, with a warning.
+    """
+    state = _module_state(module, optimizer)
+    _load(state, path, strict=strict, require_manifest=require_manifest, sections=tuple(state))
+    if optimizer is None:
+        set_model_state_dict(module, state[MODEL])
+    else:
+        set_state_dict(module, optimizer, model_state_dict=state[MODEL], optim_state_dict=state[OPTIM])
+
+
+def full_state_dict(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """``module``'s state dict with every entry whole, on every rank, under the names from before sharding.
+
+    Sharded parameters are gathered from their shards (a collective: call it on every rank); the others
+    come as ``module.state_dict()`` gives them.
+    """
+    return get_model_state_dict(module, options=StateDictOptions(full_state_dict=True))
+
+
+def _module_state(module: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer]) -> dict[str, Any]:
+    """What a checkpoint of ``module`` (and ``optimizer``) holds: DCP's state dicts of them (DTensors where sharded).
+
+    ``get_state_dict`` creates the state of an optimizer that has not stepped yet, so a fresh one can load.
+    """
+    if optimizer is None:
+        return {MODEL: get_model_state_dict(module)}
+    model_state, optim_state = get_state_dict(module, optimizer)
+    return {MODEL: model_state, OPTIM: optim_state}
+
+
+# ---------------------------------------------------------------------- state dicts: saving
+def save_state_dict(state_dict: dict[str, Any], path: Union[str, Path]) -> Path:
+    """Save any DCP state dict (DTensors, tensors, plain values, nested) as checkpoint directory ``path``.
+
+    What :func:`save_checkpoint` does with a module's state: collective, atomic, with a manifest.
+    """
+    return _save(state_dict, path, "save_state_dict")
+
+
+def _save(state: dict[str, Any], path: Union[str, Path], caller: str) -> Path:
+    """DCP fsyncs its files; rank 0 then reads every file once to write the manifest, and publishes the
+    directory (:func:`~fullshard.checkpoint.publish.save_together`)."""
     ranks = _ranks()
-    return save_together(step_dir(root, step), ranks, lambda partial: _dcp_save(state, partial, ranks.slot),
-                         _write_manifest, "save_atomic")
+    return save_together(path, ranks, lambda partial: _dcp_save(state, partial, ranks.slot), _write_manifest, caller)
 
 
 def _ranks() -> Ranks:
@@ -134,89 +168,20 @@ def _dcp_save(state: dict[str, Any], partial: Path, rank: int) -> None:
 
 def _write_manifest(partial: Path) -> None:
     """The manifest of a finished DCP save, under the save id DCP recorded (which loads compare)."""
-    metadata = _checked_metadata(partial, None)  # what was just written passes every check a load makes
+    metadata = checked_metadata(partial, None)  # what was just written passes every check a load makes
     save_id = getattr(metadata.storage_meta, "save_id", None)
     if not isinstance(save_id, str):
-        raise RuntimeError(f"save_atomic: DCP recorded no save id in {partial / _METADATA_FILE}")
-    manifest.write(partial, _FRAMEWORK, save_id)
+        raise RuntimeError(f"save: DCP recorded no save id in {partial / METADATA_FILE}")
+    manifest.write(partial, FRAMEWORK, save_id)
 
 
-# ---------------------------------------------------------------------- safe reading
-def _is_metadata_class(obj: Any) -> bool:
-    return isinstance(obj, type) and (dataclasses.is_dataclass(obj) or issubclass(obj, enum.Enum))
-
-
-class _MetadataUnpickler(pickle.Unpickler):
-    """Builds DCP metadata and nothing else: no callable outside this list is reachable."""
-
-    _PATH_CLASSES = {"PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath", "Path"}
-    # DCP's metadata dataclasses and enums live in these modules (the filesystem
-    # one holds ``_StorageInfo``, where each tensor chunk lies in which file).
-    _DCP_MODULES = {dcp_metadata.__name__: dcp_metadata, dcp_filesystem.__name__: dcp_filesystem}
-
-    def find_class(self, module: str, name: str) -> Any:
-        if module in self._DCP_MODULES:
-            obj = getattr(self._DCP_MODULES[module], name, None)
-            # Defined there, not merely imported (that module also sees enum.Enum itself).
-            if _is_metadata_class(obj) and obj.__module__ == module:
-                return obj
-        elif module == "torch":
-            obj = getattr(torch, name, None)
-            if obj is torch.Size or isinstance(obj, torch.dtype):
-                return obj
-        elif module == "torch.serialization" and name == "_get_layout":
-            return torch.serialization._get_layout  # looks a layout up by name in a fixed table
-        elif module == "pathlib" and name in self._PATH_CLASSES:
-            return getattr(pathlib, name)  # StorageMeta.checkpoint_id
-        elif module == "collections" and name == "OrderedDict":
-            return collections.OrderedDict
-        raise pickle.UnpicklingError(
-            f"checkpoint metadata refers to {module}.{name}, which is not part of DCP metadata; "
-            "refusing to load it (a crafted .metadata file could run code)"
-        )
-
-
-def _checked_metadata(directory: Path, verified: Optional[manifest.Manifest]) -> Metadata:
-    """The metadata of DCP directory ``directory``, every field checked (see :func:`_check_metadata`).
-
-    ``verified``: the manifest the files were verified against, whose save id the metadata must carry.
-    """
-    data = read_whole(directory, _METADATA_FILE, directory, _MAX_METADATA_BYTES)
-    check_pickle(data, directory, _METADATA_FILE)
-    try:
-        metadata = _MetadataUnpickler(io.BytesIO(data)).load()
-    except Exception as error:  # a refused class, or classes built from arguments they do not take
-        problem = str(error).splitlines()[0][:300] if str(error) else type(error).__name__
-        raise CheckpointError.at(directory, f"cannot be unpickled as DCP metadata: {problem}", _METADATA_FILE) from None
-    _check_metadata(metadata, directory)
-    if verified is not None and getattr(metadata.storage_meta, "save_id", None) != verified.save_id:
-        raise CheckpointError.at(directory, f"was written by save {show(getattr(metadata.storage_meta, 'save_id', None))}, "
-                                 f"the manifest lists save {verified.save_id}: the files come from different saves",
-                                 _METADATA_FILE)
-    return metadata
-
-
-def open_metadata(path: Union[str, Path], *, require_manifest: bool = True) -> tuple[Path, Metadata]:
-    """The directory checkpoint ``path`` is loaded from (:func:`~fullshard.core.atomic.resolve`) and its
-    metadata: the manifest verified (absent: CheckpointError unless ``require_manifest`` is False), every
-    field checked. Reads nothing but the checkpoint's own files."""
-    directory = resolve(path)
-    if not directory.is_dir():
-        raise CheckpointError.at(directory, "does not exist (no checkpoint directory there)")
-    verified = None
-    if manifest.present(directory) or require_manifest:
-        if not manifest.present(directory):
-            raise CheckpointError.at(directory, f"has no {manifest.MANIFEST_FILE}: {_NO_MANIFEST_FIX}")
-        verified = manifest.verify(directory, _FRAMEWORK)
-    return directory, _checked_metadata(directory, verified)
-
-
+# ---------------------------------------------------------------------- state dicts: loading
 class SafeFileSystemReader(dcp.FileSystemReader):
     """``FileSystemReader`` over a checkpoint checked as untrusted input before DCP sees any of it.
 
-    Construction resolves and verifies ``path`` (:func:`open_metadata`); the
-    metadata DCP then asks for is that checked one. Its unpickler cannot
-    execute code (see :class:`_MetadataUnpickler`).
+    Construction resolves and verifies ``path``
+    (:func:`~fullshard.torch.checkpoint_metadata.open_metadata`); the metadata DCP then asks for is
+    that checked one, read by an unpickler that cannot execute code.
     """
 
     def __init__(self, path: Union[str, Path], *, require_manifest: bool = True) -> None:
@@ -230,151 +195,6 @@ class SafeFileSystemReader(dcp.FileSystemReader):
         return self._metadata
 
 
-# ---------------------------------------------------------------------- checking the metadata itself
-@functools.cache
-def _field_names(cls: type) -> frozenset:
-    return frozenset(f.name for f in dataclasses.fields(cls))
-
-
-def _fields(obj: Any, cls: type, directory: Path, what: str, optional: frozenset = frozenset()) -> None:
-    """``obj`` is exactly a ``cls`` whose attributes are its dataclass fields (``optional`` ones may be absent)."""
-    names = _field_names(cls)
-    attributes = getattr(obj, "__dict__", None)
-    if type(obj) is not cls or not isinstance(attributes, dict) or not (names - optional) <= set(attributes) <= names:
-        raise CheckpointError.at(directory, f"{what} is {show(obj)}, not a {cls.__name__} with fields "
-                                 f"{sorted(names)}", _METADATA_FILE)
-
-
-def _size(value: Any, directory: Path, what: str) -> tuple[int, ...]:
-    if type(value) is not torch.Size:
-        raise CheckpointError.at(directory, f"{what} is {show(value)}, not a torch.Size", _METADATA_FILE)
-    return check_shape(tuple(value), directory, f"{_METADATA_FILE}: {what}")
-
-
-def _text(value: Any, directory: Path, what: str, allow_none: bool = True) -> None:
-    if not ((allow_none and value is None) or (isinstance(value, str) and len(value) <= _MAX_TEXT)):
-        raise CheckpointError.at(directory, f"{what} is {show(value)}, not a string", _METADATA_FILE)
-
-
-def _tensor_entry(name: str, entry: Any, directory: Path) -> tuple[tuple[int, ...], int, list]:
-    """Shape, element size and chunks of a tensor entry, each field checked."""
-    what = f"the entry of '{name}'"
-    _fields(entry, TensorStorageMetadata, directory, what)
-    props = entry.properties
-    _fields(props, TensorProperties, directory, f"{what}: its properties")
-    if (not isinstance(props.dtype, torch.dtype) or str(props.dtype).removeprefix("torch.") not in _DTYPES
-            or props.layout is not torch.strided or type(props.requires_grad) is not bool
-            or type(props.pin_memory) is not bool or props.memory_format not in _MEMORY_FORMATS):
-        raise CheckpointError.at(directory, f"{what}: properties {show(props)} are not those of a plain dense "
-                                 "tensor", _METADATA_FILE)
-    shape = _size(entry.size, directory, f"{what}: its size")
-    if type(entry.chunks) is not list:
-        raise CheckpointError.at(directory, f"{what}: chunks {show(entry.chunks)} is not a list", _METADATA_FILE)
-    chunks = []
-    for index, chunk in enumerate(entry.chunks):
-        _fields(chunk, ChunkStorageMetadata, directory, f"{what}: chunk {index}")
-        chunks.append((_size(chunk.offsets, directory, f"{what}: chunk {index} offsets"),
-                       _size(chunk.sizes, directory, f"{what}: chunk {index} sizes")))
-    check_tiling(shape, chunks, directory, f"{_METADATA_FILE}: {what}")
-    return shape, props.dtype.itemsize, chunks
-
-
-def _storage(metadata: Metadata, directory: Path) -> dict[tuple, tuple[str, Any, Any, Any]]:
-    """``(fqn, chunk offsets or None)`` -> (file, offset, length, chunk index) of every stored item; the
-    names and kinds checked (the numbers are checked against the entries and files)."""
-    if type(metadata.storage_data) is not dict:
-        raise CheckpointError.at(directory, f"storage_data is {show(metadata.storage_data)}, not a dict", _METADATA_FILE)
-    storage = {}
-    for index, info in metadata.storage_data.items():
-        _fields(index, MetadataIndex, directory, "a storage_data key", frozenset({"offset", "index"}))
-        _text(index.fqn, directory, "a storage_data key's fqn", allow_none=False)
-        offsets = None if index.offset is None else _size(index.offset, directory, f"the storage key of '{index.fqn}'")
-        what = f"the storage of '{index.fqn}'" + (f" at {offsets}" if offsets is not None else "")
-        _fields(info, dcp_filesystem._StorageInfo, directory, what, frozenset({"transform_descriptors"}))
-        name = plain_file_name(info.relative_path, directory, f"{what} names file")
-        if name in (_METADATA_FILE, manifest.MANIFEST_FILE):
-            raise CheckpointError.at(directory, f"{what} points into {name}, which holds no data", _METADATA_FILE)
-        if getattr(info, "transform_descriptors", None) not in (None, [], ()):
-            raise CheckpointError.at(directory, f"{what} is stored through transforms "
-                                     f"{show(info.transform_descriptors)}, which fullshard's checked loads do not "
-                                     "read", _METADATA_FILE)
-        storage[(index.fqn, offsets)] = (name, info.offset, info.length, index.index)
-    return storage
-
-
-def _check_metadata(metadata: Any, directory: Path) -> None:
-    """Every field of unpickled DCP metadata, for type and range, against the files it points into.
-
-    Tensor chunks tile their shapes, each stored at a byte range of a
-    regular file of the directory, the ranges inside their files and
-    disjoint, each at least as long as its chunk's raw bytes (so no tensor
-    claims more than the files hold). Every entry is stored, nothing else
-    is; key paths (``planner_data``) are bounded and consistent.
-    """
-    # storage_meta and version are newer than the format: older checkpoints lack them
-    _fields(metadata, Metadata, directory, "the metadata", frozenset({"storage_meta", "version"}))
-    entries = metadata.state_dict_metadata
-    if type(entries) is not dict:
-        raise CheckpointError.at(directory, f"state_dict_metadata is {show(entries)}, not a dict", _METADATA_FILE)
-    storage = _storage(metadata, directory)
-    claimed, per_file = set(), collections.defaultdict(list)
-    for name, entry in entries.items():
-        _text(name, directory, "a state_dict_metadata key", allow_none=False)
-        if type(entry) is BytesStorageMetadata:
-            _fields(entry, BytesStorageMetadata, directory, f"the entry of '{name}'")
-            items = [((name, None), 0, None, f"value '{name}'")]
-        else:
-            _, itemsize, chunks = _tensor_entry(name, entry, directory)
-            items = [((name, offsets), prod(sizes) * itemsize, position, f"'{name}' chunk at {offsets}")
-                     for position, (offsets, sizes) in enumerate(chunks)]
-        for item, least, position, what in items:
-            if item not in storage:
-                raise CheckpointError.at(directory, f"{what} is not stored anywhere (no storage_data entry)",
-                                         _METADATA_FILE)
-            file, offset, length, hint = storage[item]
-            if not (hint is None or (position is not None and is_int(hint) and hint == position)):
-                raise CheckpointError.at(directory, f"the storage key of {what} gives chunk index {show(hint)}, "
-                                         f"it is chunk {position}", _METADATA_FILE)
-            if is_int(length) and length < least:
-                raise CheckpointError.at(directory, f"{what} is stored in {length} bytes, fewer than its {least} "
-                                         "bytes of data", _METADATA_FILE)
-            claimed.add(item)
-            per_file[file].append((offset, length, what))
-    unclaimed = sorted(map(str, set(storage) - claimed))
-    if unclaimed:
-        raise CheckpointError.at(directory, f"storage_data holds {unclaimed[0]}, which no entry uses", _METADATA_FILE)
-    for file, ranges in sorted(per_file.items()):
-        check_ranges(file, regular_file(directory, file, directory).st_size, ranges, directory)
-    _check_extras(metadata, directory)
-
-
-def _check_extras(metadata: Metadata, directory: Path) -> None:
-    """``planner_data`` (key paths), ``storage_meta`` and ``version``: types, bounds and consistency."""
-    paths = metadata.planner_data
-    if paths is not None:
-        if type(paths) is not dict or set(paths) != set(metadata.state_dict_metadata):
-            raise CheckpointError.at(directory, "planner_data does not map exactly the checkpoint's keys to key "
-                                     f"paths: {show(paths)}", _METADATA_FILE)
-    check_key_paths(paths if paths is not None else {k: (k,) for k in metadata.state_dict_metadata},
-                    directory, _METADATA_FILE)
-    meta = metadata.storage_meta
-    if meta is not None:
-        _fields(meta, StorageMeta, directory, "storage_meta", frozenset({"checkpoint_id", "save_id", "load_id", "modules"}))
-        checkpoint_id = getattr(meta, "checkpoint_id", None)
-        if isinstance(checkpoint_id, PurePath):
-            checkpoint_id = str(checkpoint_id)  # where it was saved; never used to read
-        _text(checkpoint_id, directory, "storage_meta.checkpoint_id")
-        _text(getattr(meta, "save_id", None), directory, "storage_meta.save_id")
-        _text(getattr(meta, "load_id", None), directory, "storage_meta.load_id")
-        modules = getattr(meta, "modules", [])
-        if type(modules) is not list or len(modules) > _MAX_TEXT:
-            raise CheckpointError.at(directory, f"storage_meta.modules is {show(modules)}, not a list", _METADATA_FILE)
-        for module in modules:
-            _text(module, directory, "a storage_meta module", allow_none=False)
-    _text(getattr(metadata, "version", None), directory, "version")
-
-
-# ---------------------------------------------------------------------- loading values
 class UnsafeCheckpointError(CheckpointError):
     """A checkpoint value that could only be loaded by running code from the checkpoint."""
 
@@ -401,6 +221,32 @@ class SafeLoadPlanner(DefaultLoadPlanner):
         super().load_bytes(read_item, value)
 
 
+def read_metadata(path: Union[str, Path], *, require_manifest: bool = True) -> Metadata:
+    """The metadata of the DCP checkpoint directory ``path`` (keys, global shapes, dtypes), verified and checked."""
+    return open_metadata(path, require_manifest=require_manifest)[1]
+
+
+def load_state_dict(state_dict: dict[str, Any], path: Union[str, Path], *, strict: bool = True,
+                    require_manifest: bool = True) -> None:
+    """Load checkpoint directory ``path`` into ``state_dict`` in place, checked and safely (see the module doc).
+
+    ``state_dict`` holds what to fill, as for ``dcp.load``: DTensors (resharded from whatever layout
+    was saved), plain tensors (a single process gets full tensors) and non-tensor values (replaced).
+    Collective when a process group is initialized. A bad or unfitting checkpoint is a
+    CheckpointError before anything is read into ``state_dict``; ``strict=False`` allows checkpoint
+    entries the state dict does not have. ``require_manifest=False`` also loads a stock DCP
+    checkpoint (no fullshard manifest: every check but the digests).
+    """
+    _load(state_dict, path, strict=strict, require_manifest=require_manifest)
+
+
+def _load(state: dict[str, Any], path: Union[str, Path], *, strict: bool, require_manifest: bool,
+          sections: Optional[Iterable[str]] = None) -> None:
+    reader = SafeFileSystemReader(path, require_manifest=require_manifest)
+    check_compatible(state, reader.read_metadata(), strict=strict, where=str(reader.path), sections=sections)
+    _safe_dcp_load(state, reader)
+
+
 def _safe_dcp_load(state: dict[str, Any], reader: SafeFileSystemReader, no_dist: bool = False) -> None:
     """``dcp.load`` with the safe planner; any failure surfaces as one CheckpointError, not DCP's wrapper.
 
@@ -419,12 +265,7 @@ def _safe_dcp_load(state: dict[str, Any], reader: SafeFileSystemReader, no_dist:
         raise CheckpointError.at(reader.path, f"could not be read: {first[:300]}") from None
 
 
-def read_metadata(path: Union[str, Path], *, require_manifest: bool = True) -> Metadata:
-    """The metadata of the DCP checkpoint directory ``path`` (keys, global shapes, dtypes), verified and checked."""
-    return open_metadata(path, require_manifest=require_manifest)[1]
-
-
-# ---------------------------------------------------------------------- checking
+# ---------------------------------------------------------------------- checking a checkpoint against a state
 def _describe(value: Any) -> str:
     if isinstance(value, TensorStorageMetadata):
         return f"tensor {tuple(value.size)} {value.properties.dtype}"
@@ -442,12 +283,14 @@ def _flat_state(state: dict[str, Any]) -> dict[str, Any]:
     return planner.state_dict
 
 
-def check_compatible(state: dict[str, Any], metadata: Metadata, *, strict: bool = True, where: str = "") -> None:
+def check_compatible(state: dict[str, Any], metadata: Metadata, *, strict: bool = True, where: str = "",
+                     sections: Optional[Iterable[str]] = None) -> None:
     """Raise CheckpointError (a ``ValueError``) unless ``metadata`` can fill ``state`` exactly.
 
     Every key of ``state`` must be in the checkpoint with the same global
     shape (a DTensor's full shape), dtype and kind (tensor or not). With
-    ``strict`` the checkpoint may hold no other keys either.
+    ``strict`` the checkpoint may hold no other keys either; ``sections``
+    (top-level entries) limits that to the checkpoint's keys under them.
     """
     flat = _flat_state(state)
     saved = metadata.state_dict_metadata
@@ -470,20 +313,7 @@ def check_compatible(state: dict[str, Any], metadata: Metadata, *, strict: bool 
                     f"dtype mismatch for '{key}': checkpoint {entry.properties.dtype} vs state {value.dtype}"
                 )
     if strict:
-        # A whole top-level entry the state lacks (say the optimizer's, when
-        # loading only a model) is one problem, not one per tensor.
-        paths = metadata.planner_data if isinstance(metadata.planner_data, dict) else {}
-        by_top: dict[str, list[str]] = {}
-        for key in sorted(set(saved) - set(flat)):
-            by_top.setdefault(str(paths.get(key, (key,))[0]), []).append(key)
-        for top, keys in by_top.items():
-            if top not in state and len(keys) > 1:
-                problems.append(
-                    f"unexpected in checkpoint: '{top}' ({len(keys)} entries, e.g. '{keys[0]}'); "
-                    "pass strict=False to load only what the state holds"
-                )
-            else:
-                problems.extend(f"unexpected in checkpoint: '{key}' ({_describe(saved[key])})" for key in keys)
+        problems.extend(_unexpected(state, metadata, set(flat), sections))
     if problems:
         shown = problems[:_MAX_REPORTED]
         if len(problems) > _MAX_REPORTED:
@@ -493,33 +323,36 @@ def check_compatible(state: dict[str, Any], metadata: Metadata, *, strict: bool 
                               + "\n  ".join(shown), where or None)
 
 
-# ---------------------------------------------------------------------- loading
-def load_checkpoint(state: dict[str, Any], path: Union[str, Path], *, strict: bool = True,
-                    require_manifest: bool = True) -> None:
-    """Load the DCP directory ``path`` into ``state`` in place, checked and safely (see the module doc).
+def _unexpected(state: dict[str, Any], metadata: Metadata, wanted: set[str],
+                sections: Optional[Iterable[str]]) -> list[str]:
+    """The checkpoint's keys the state does not want (under ``sections``, if given), as problems.
 
-    ``state`` holds what to fill: DTensors (resharded from whatever layout was
-    saved), plain tensors (a single process gets full tensors) and non-tensor
-    values (replaced). Collective when a process group is initialized. A bad
-    or unfitting checkpoint is a CheckpointError before anything is read into
-    ``state``. ``require_manifest=False`` also loads a stock DCP checkpoint
-    (no fullshard manifest: every check but the digests).
+    A whole top-level entry the state lacks (say the optimizer's, when loading only a model) is one
+    problem, not one per tensor.
     """
-    reader = SafeFileSystemReader(path, require_manifest=require_manifest)
-    check_compatible(state, reader.read_metadata(), strict=strict, where=str(reader.path))
-    _safe_dcp_load(state, reader)
+    saved = metadata.state_dict_metadata
+    paths = metadata.planner_data if isinstance(metadata.planner_data, dict) else {}
+    sections = None if sections is None else set(sections)
+    by_top: dict[str, list[str]] = {}
+    for key in sorted(set(saved) - wanted):
+        top = str(paths.get(key, (key,))[0])
+        if sections is None or top in sections:
+            by_top.setdefault(top, []).append(key)
+    problems = []
+    for top, keys in by_top.items():
+        if top not in state and len(keys) > 1:
+            problems.append(f"unexpected in checkpoint: '{top}' ({len(keys)} entries, e.g. '{keys[0]}'); "
+                            "pass strict=False to load only what the state holds")
+        else:
+            problems.extend(f"unexpected in checkpoint: '{key}' ({_describe(saved[key])})" for key in keys)
+    return problems
 
 
-def load_into(state: dict[str, Any], root: Path, step: int, *, strict: bool = True,
-              require_manifest: bool = True) -> None:
-    """Load checkpoint ``step`` under ``root`` into ``state`` in place (DCP resharding to the current layout)."""
-    load_checkpoint(state, step_dir(root, step), strict=strict, require_manifest=require_manifest)
-
-
+# ---------------------------------------------------------------------- one process: the whole checkpoint
 def _set_path(root: dict, path: tuple, value: Any) -> None:
     """``root[path[0]][path[1]]... = value``, creating dicts (str keys) and lists (int keys) on the way.
 
-    The paths come from checked metadata (:func:`~fullshard.core.layout_checks.check_key_paths`): bounded
+    The paths come from checked metadata (:func:`~fullshard.checkpoint.untrusted.check_key_paths`): bounded
     indices, no path through another's leaf, one kind of key per container.
     """
     container: Any = root
@@ -537,14 +370,14 @@ def _set_path(root: dict, path: tuple, value: Any) -> None:
     container[path[-1]] = value
 
 
-def load_full(path: Union[str, Path], *, require_manifest: bool = True) -> dict[str, Any]:
+def load_full_state_dict(path: Union[str, Path], *, require_manifest: bool = True) -> dict[str, Any]:
     """The whole checkpoint as a full, unsharded (nested) state dict of CPU tensors, in this process only.
 
     Starts no process group (and uses none that exists). Nesting is rebuilt
-    from the key paths DCP records when saving, so a fullshard training
-    checkpoint comes back as ``{"model": {...}, "optim": {...}}``. Every
-    tensor is allocated at a size the checked metadata bounds by the bytes its
-    files hold.
+    from the key paths DCP records when saving, so a module checkpoint
+    comes back as ``{"model": {...}, "optim": {...}}``. Every tensor is
+    allocated at a size the checked metadata bounds by the bytes its files
+    hold.
     """
     reader = SafeFileSystemReader(path, require_manifest=require_manifest)
     metadata = reader.read_metadata()
@@ -577,44 +410,47 @@ def _flatten_nested(tree: Any, prefix: str = "") -> dict[str, Any]:
     return flat
 
 
-def export_full(
-    checkpoint_dir: Union[str, Path], out_file: Union[str, Path], *, key: Optional[str] = None,
-    require_manifest: bool = True,
-) -> Path:
-    """Write the checkpoint as one full, unsharded state dict file; one process, no process group.
+def export_checkpoint(path: Union[str, Path], out_file: Union[str, Path], *, key: Optional[str] = MODEL,
+                      require_manifest: bool = True) -> Path:
+    """Write checkpoint ``path`` as one full, unsharded file; one process, no process group.
 
-    ``out_file`` ending in ``.pt``/``.pth`` gets ``torch.save`` of the nested
-    state dict; ``.safetensors`` (needs the ``safetensors`` package) gets its
-    tensors under dotted names, so it only takes tensors (pick ``key="model"``
-    for a training checkpoint). ``key`` selects one top-level entry, e.g. the
-    model's state dict without the optimizer's. The file appears atomically,
-    and only once the whole checkpoint was checked and read.
+    ``key`` is the top-level entry to write: the model's state dict by default (as on MindSpore), under
+    its parameter names; ``key=None`` writes the whole nested checkpoint (model and optimizer).
+    ``out_file`` ending in ``.pt``/``.pth`` gets ``torch.save`` of it (load it with
+    ``torch.load(f, weights_only=True)``); ``.safetensors`` (needs the ``safetensors`` package) gets its
+    tensors under dotted names, so it only takes tensors. The file appears atomically, and only once
+    the whole checkpoint was checked and read.
     """
     out = Path(out_file)
     suffix = out.suffix.lower()
     if suffix not in (".pt", ".pth", ".safetensors"):
-        raise ValueError(f"export_full: unknown format for {out.name!r}; use .pt, .pth or .safetensors")
+        raise ValueError(f"export: unknown format for {out.name!r}; use .pt, .pth or .safetensors")
     if suffix == ".safetensors":
         try:
             from safetensors.torch import save_file
         except ImportError:
-            raise ImportError("export_full: writing .safetensors needs the 'safetensors' package") from None
-    state: Any = load_full(checkpoint_dir, require_manifest=require_manifest)
+            raise ImportError("export: writing .safetensors needs the 'safetensors' package") from None
+    state: Any = load_full_state_dict(path, require_manifest=require_manifest)
     if key is not None:
         if key not in state:
-            raise ValueError(f"export_full: checkpoint {checkpoint_dir} has no entry {key!r}; it has {sorted(state)}")
+            raise ValueError(f"export: checkpoint {path} has no entry {key!r}; it has {sorted(state)}")
         state = state[key]
     partial = out.with_name(out.name + ".partial")
     if suffix == ".safetensors":
         flat = _flatten_nested(state)
         others = sorted(name for name, value in flat.items() if not isinstance(value, torch.Tensor))
         if others:
-            raise ValueError(
-                f"export_full: safetensors holds tensors only, but {len(others)} value(s) are not tensors "
-                f"(e.g. {others[:3]}); export one entry with key=..., e.g. key='model'"
-            )
+            raise ValueError(f"export: safetensors holds tensors only, but {len(others)} value(s) are not tensors "
+                             f"(e.g. {others[:3]}); export one entry with key=..., e.g. key='model'")
         save_file({name: value.contiguous() for name, value in flat.items()}, str(partial))
     else:
         torch.save(state, partial)
     os.replace(partial, out)
     return out
+
+
+__all__ = [
+    "SafeFileSystemReader", "SafeLoadPlanner", "UnsafeCheckpointError", "check_compatible", "export_checkpoint",
+    "full_state_dict", "load_checkpoint", "load_full_state_dict", "load_state_dict", "read_metadata",
+    "save_checkpoint", "save_state_dict",
+]

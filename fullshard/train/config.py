@@ -77,7 +77,7 @@ def unit_counts(total: int, per_layer: list[int]) -> dict[str, int]:
 
 def last_checkpoint_hint(checkpoint_dir: Optional[str]) -> str:
     """"; the last complete checkpoint is step N: continue with --resume", or "" when there is none."""
-    from fullshard.core.atomic import latest_step
+    from fullshard.checkpoint import latest_step
 
     step = latest_step(Path(checkpoint_dir)) if checkpoint_dir else None
     return f"; the last complete checkpoint is step {step}: continue with --resume" if step else ""

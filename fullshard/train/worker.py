@@ -12,7 +12,6 @@ import os
 import socket
 import time
 from dataclasses import asdict
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -89,32 +88,24 @@ def _local_bytes(tensors) -> int:
     return total
 
 
-def _checkpoint_state(model, optimizer):
-    from torch.distributed.checkpoint.state_dict import get_state_dict
-
-    model_sd, optim_sd = get_state_dict(model, optimizer)
-    return {"model": model_sd, "optim": optim_sd}
-
-
 def save_checkpoint(cfg: TrainConfig, model, optimizer, step: int) -> None:
-    from fullshard.torch.checkpoint import save_atomic
+    from fullshard.checkpoint import step_dir
+    from fullshard.torch import checkpoint
 
-    save_atomic(_checkpoint_state(model, optimizer), Path(cfg.checkpoint_dir), step)
+    checkpoint.save_checkpoint(model, step_dir(cfg.checkpoint_dir, step), optimizer)
     if dist.get_rank() == 0:
         write_run_record(cfg)
 
 
 def load_checkpoint(cfg: TrainConfig, model, optimizer) -> int:
-    from torch.distributed.checkpoint.state_dict import set_state_dict
+    """Load the latest checkpoint under ``cfg.checkpoint_dir`` (found as ``export`` finds it); its step."""
+    from fullshard.checkpoint import latest_step, step_dir
+    from fullshard.torch import checkpoint
 
-    from fullshard.torch.checkpoint import latest_step, load_into
-
-    step = latest_step(Path(cfg.checkpoint_dir))
+    step = latest_step(cfg.checkpoint_dir)
     if step is None:
         raise FileNotFoundError(f"--resume: no complete checkpoint under {cfg.checkpoint_dir}")
-    state = _checkpoint_state(model, optimizer)
-    load_into(state, Path(cfg.checkpoint_dir), step)
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    checkpoint.load_checkpoint(model, step_dir(cfg.checkpoint_dir, step), optimizer)
     return step
 
 

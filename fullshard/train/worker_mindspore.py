@@ -25,7 +25,7 @@ from typing import Optional
 
 import numpy as np
 
-from fullshard.core.atomic import latest_step, step_dir
+from fullshard.checkpoint import latest_step, step_dir
 from fullshard.core.procs import peak_rss_bytes
 from fullshard.models.config import MODEL_SIZES
 from fullshard.train import rollcall

@@ -8,20 +8,29 @@ the directory, and ends with the SHA-256 of its own canonical JSON. A load
 verifies it before it parses or unpickles anything else: the directory holds
 exactly the listed files, each a regular file of the listed size and digest.
 A flipped byte, a truncated, deleted, added or swapped-in file then is a
-:class:`~fullshard.core.untrusted.CheckpointError`, never different weights.
+:class:`~fullshard.checkpoint.untrusted.CheckpointError`, never different weights.
+
+The manifest, like every JSON document fullshard writes into a checkpoint
+(MindSpore's ``fullshard.json``, each safetensors header and its slices), is
+in canonical form (:func:`dumps_canonical`: sorted keys, no spaces, ASCII),
+and a reader refuses one whose bytes are not exactly the canonical form of
+what they parse to (:func:`loads_canonical`). So no byte of such a file can
+change without being noticed: not a space, not a duplicated key, not ``1.0``
+written as ``1e0``. The manifest's own digest covers that form.
 """
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional, Union
+from typing import Any, Optional, Union
 
-from fullshard.core import canonical_json
-from fullshard.core.durable import fsync_dir, write_file_durably
-from fullshard.core.untrusted import CheckpointError, is_int, open_regular, plain_file_name, read_whole, regular_file, show
+from fullshard.checkpoint.files import (fsync_dir, open_regular, plain_file_name, read_whole, regular_file,
+                                        write_file_durably)
+from fullshard.checkpoint.untrusted import CheckpointError, is_int, show
 
 MANIFEST_FILE = "fullshard.manifest.json"
 FORMAT = "fullshard-checkpoint-manifest"
@@ -36,6 +45,34 @@ _SAVE_ID = re.compile(r"[0-9A-Za-z_-]{1,128}")
 _BLOCK = 1 << 20
 
 
+# ---------------------------------------------------------------------- canonical JSON
+def dumps_canonical(document: Any) -> bytes:
+    """The canonical bytes of ``document`` (plain JSON data: no NaN or infinity)."""
+    return json.dumps(document, sort_keys=True, separators=(",", ":"), ensure_ascii=True,
+                      allow_nan=False).encode("ascii")
+
+
+def loads_canonical(data: bytes, checkpoint: Union[str, Path], file: str) -> Any:
+    """The document ``data`` holds; CheckpointError unless ``data`` is valid JSON in canonical form."""
+    try:
+        document = json.loads(data.decode("ascii"))
+    except (UnicodeDecodeError, ValueError, RecursionError) as error:
+        raise CheckpointError.at(checkpoint, f"is not valid JSON ({_first_line(error)})", file) from None
+    try:
+        canonical = dumps_canonical(document)
+    except (ValueError, TypeError, RecursionError):
+        canonical = None  # NaN, infinity or nesting past what fullshard writes
+    if canonical != data:
+        raise CheckpointError.at(checkpoint, "is not in the canonical JSON form fullshard writes (sorted keys, no "
+                                 "spaces): it was changed or damaged after it was saved", file)
+    return document
+
+
+def _first_line(error: BaseException) -> str:
+    return (str(error).splitlines() or [type(error).__name__])[0][:200]
+
+
+# ---------------------------------------------------------------------- the manifest
 @dataclass(frozen=True)
 class Manifest:
     framework: str
@@ -56,8 +93,8 @@ def write(directory: Union[str, Path], framework: str, save_id: str) -> Manifest
         files[name] = (size, _sha256(directory, name, directory, size))
     body = {"files": {n: {"bytes": s, "sha256": d} for n, (s, d) in files.items()}, "format": FORMAT,
             "framework": framework, "save_id": save_id, "version": VERSION}
-    body["digest"] = hashlib.sha256(canonical_json.dumps(body)).hexdigest()
-    write_file_durably(directory / MANIFEST_FILE, canonical_json.dumps(body))
+    body["digest"] = hashlib.sha256(dumps_canonical(body)).hexdigest()
+    write_file_durably(directory / MANIFEST_FILE, dumps_canonical(body))
     fsync_dir(directory)
     return Manifest(framework, save_id, files)
 
@@ -66,7 +103,7 @@ def read(directory: Union[str, Path], checkpoint: Optional[Union[str, Path]] = N
     """The manifest of ``directory``, its form and own digest checked (the files are not looked at)."""
     directory = Path(directory)
     checkpoint = checkpoint or directory
-    document = canonical_json.loads(read_whole(directory, MANIFEST_FILE, checkpoint, _MAX_MANIFEST_BYTES),
+    document = loads_canonical(read_whole(directory, MANIFEST_FILE, checkpoint, _MAX_MANIFEST_BYTES),
                                     checkpoint, MANIFEST_FILE)
 
     def bad(problem: str) -> CheckpointError:
@@ -76,7 +113,7 @@ def read(directory: Union[str, Path], checkpoint: Optional[Union[str, Path]] = N
         keys = sorted(document) if isinstance(document, dict) else type(document).__name__
         raise bad(f"is not a fullshard manifest (keys {show(keys)}, expected {sorted(_KEYS)})")
     body = {k: v for k, v in document.items() if k != "digest"}
-    if document["digest"] != hashlib.sha256(canonical_json.dumps(body)).hexdigest():
+    if document["digest"] != hashlib.sha256(dumps_canonical(body)).hexdigest():
         raise bad("does not match its own digest: it was changed or damaged after the save")
     if document["format"] != FORMAT or not is_int(document["version"]) or document["version"] != VERSION:
         raise bad(f"format {show(document['format'])} version {show(document['version'])}; this fullshard reads "

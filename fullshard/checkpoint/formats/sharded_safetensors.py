@@ -1,8 +1,10 @@
 """The sharded checkpoint format of the MindSpore runtime: one safetensors file per rank plus JSON.
 
-Framework-free (numpy): saving hands in each rank's pieces, loading reads the
-pieces a rank needs, and :func:`export_full` turns a checkpoint into one full
-``.safetensors`` file without any framework or process group.
+MindSpore has no DCP, so fullshard writes this format itself, framework-free
+(numpy and the ``safetensors`` package, no MindSpore): saving hands in each
+rank's pieces, loading reads the part of each piece a rank needs, and
+:func:`export_full` turns a checkpoint into one full ``.safetensors`` file
+without any framework or process group (what ``fullshard export`` runs).
 
 A checkpoint directory holds
 
@@ -13,16 +15,18 @@ A checkpoint directory holds
   (``dim`` null for a whole one);
 - ``fullshard.json``: the format, the world size, the save's id, the rank
   files, and per entry its global shape, dtype and the dim it was cut along;
-- ``fullshard.manifest.json``, written last (:mod:`fullshard.core.manifest`):
+- ``fullshard.manifest.json``, written last (:mod:`fullshard.checkpoint.manifest`):
   the size and SHA-256 of each of the others.
 
 Entry keys are ``model/<parameter name>`` and ``optim/<state name>``. Nothing
-is unpickled: loading parses JSON (canonical, :mod:`fullshard.core.canonical_json`)
+is unpickled: loading parses JSON (canonical,
+:func:`~fullshard.checkpoint.manifest.loads_canonical`; the rank files
+through safetensors' parser, :mod:`~fullshard.checkpoint.formats.safetensors_file`)
 and copies bytes. Opening a checkpoint verifies the manifest, then checks
 every field of ``fullshard.json`` and of every rank file's header and slices
 against each other (the pieces of each entry must tile its shape), before a
 single tensor is read; anything wrong is a
-:class:`~fullshard.core.untrusted.CheckpointError` naming the file.
+:class:`~fullshard.checkpoint.untrusted.CheckpointError` naming the file.
 """
 from __future__ import annotations
 
@@ -33,12 +37,12 @@ from typing import Any, Iterable, Optional, Union
 
 import numpy as np
 
-from fullshard.core import canonical_json, manifest
-from fullshard.core.atomic import resolve
-from fullshard.core.durable import fsync_dir, write_file_durably
-from fullshard.core.layout_checks import check_shape, check_tiling
-from fullshard.core.tensorfile import CODES, HOLDERS, Array, TensorFile, save_file
-from fullshard.core.untrusted import CheckpointError, is_int, read_whole, show
+from fullshard.checkpoint import manifest
+from fullshard.checkpoint.files import fsync_dir, read_whole, write_file_durably
+from fullshard.checkpoint.formats.safetensors_file import CODES, HOLDERS, Array, TensorFile, save_file
+from fullshard.checkpoint.manifest import dumps_canonical, loads_canonical
+from fullshard.checkpoint.publish import resolve
+from fullshard.checkpoint.untrusted import CheckpointError, check_shape, check_tiling, is_int, show
 
 FORMAT = "fullshard-sharded-safetensors"
 VERSION = 2
@@ -91,7 +95,7 @@ def write_rank(directory: Path, rank: int, pieces: Iterable[Piece]) -> None:
             continue  # an empty chunk adds nothing
         tensors[piece.key] = piece.data
         slices[piece.key] = [piece.dim, piece.offset, piece.length]
-    save_file(tensors, Path(directory) / rank_file(rank), {"slices": canonical_json.dumps(slices).decode()})
+    save_file(tensors, Path(directory) / rank_file(rank), {"slices": dumps_canonical(slices).decode()})
 
 
 def write_metadata(directory: Path, world_size: int, pieces: Iterable[Piece], save_id: str) -> None:
@@ -99,7 +103,7 @@ def write_metadata(directory: Path, world_size: int, pieces: Iterable[Piece], sa
     entries = {p.key: {"shape": list(p.shape), "dtype": p.dtype, "dim": p.dim} for p in pieces}
     document = {"format": FORMAT, "version": VERSION, "framework": FRAMEWORK, "world_size": world_size,
                 "save_id": save_id, "files": [rank_file(r) for r in range(world_size)], "entries": entries}
-    write_file_durably(Path(directory) / METADATA_FILE, canonical_json.dumps(document))
+    write_file_durably(Path(directory) / METADATA_FILE, dumps_canonical(document))
     fsync_dir(Path(directory))
 
 
@@ -117,7 +121,7 @@ class Entry:
 class ShardedCheckpoint:
     """A checkpoint directory, verified and every field of it checked; tensors are read on demand.
 
-    ``path`` is resolved as every loader resolves it (:func:`fullshard.core.atomic.resolve`).
+    ``path`` is resolved as every loader resolves it (:func:`fullshard.checkpoint.publish.resolve`).
     """
 
     def __init__(self, path: Union[str, Path]) -> None:
@@ -125,7 +129,7 @@ class ShardedCheckpoint:
         if not self.path.is_dir():
             raise CheckpointError.at(self.path, "does not exist (no checkpoint directory there)")
         self.manifest = manifest.verify(self.path, FRAMEWORK)
-        document = canonical_json.loads(read_whole(self.path, METADATA_FILE, self.path, _MAX_METADATA_BYTES),
+        document = loads_canonical(read_whole(self.path, METADATA_FILE, self.path, _MAX_METADATA_BYTES),
                                         self.path, METADATA_FILE)
         self.world_size, self.entries = self._check_document(document)
         self._files = [self._open_rank(rank) for rank in range(self.world_size)]
@@ -179,7 +183,7 @@ class ShardedCheckpoint:
         handle = TensorFile(self.path / name, self.path)
         if set(handle.metadata) != {"slices"}:
             raise self._bad(f"has __metadata__ keys {show(sorted(handle.metadata))}, expected ['slices']", name)
-        slices = canonical_json.loads(handle.metadata["slices"].encode("utf-8", "replace"), self.path,
+        slices = loads_canonical(handle.metadata["slices"].encode("utf-8", "replace"), self.path,
                                       f"{name} (its slices)")
         if not isinstance(slices, dict) or set(slices) != set(handle.names()):
             raise self._bad("its slices do not name exactly the tensors it holds", name)
@@ -237,9 +241,11 @@ class ShardedCheckpoint:
         return sorted(k[len(prefix):] for k in self.entries if k.startswith(prefix))
 
     # ------------------------------------------------------------------ checking against a model
-    def check(self, wanted: dict[str, tuple[tuple[int, ...], str]], sections: Iterable[str], what: str) -> None:
+    def check(self, wanted: dict[str, tuple[tuple[int, ...], str]], sections: Iterable[str], what: str,
+              strict: bool = True) -> None:
         """Raise CheckpointError unless the entries of ``sections`` are exactly ``wanted`` (key -> global shape,
-        dtype), naming every missing, unexpected or different entry."""
+        dtype), naming every missing, unexpected or different entry (``strict=False``: unexpected ones are
+        allowed)."""
         problems = []
         for name, (shape, dtype) in wanted.items():
             entry = self.entries.get(name)
@@ -251,7 +257,7 @@ class ShardedCheckpoint:
             if entry.dtype != dtype:
                 problems.append(f"dtype mismatch for {_describe(name)}: checkpoint {entry.dtype} vs {what} {dtype}")
         sections = tuple(f"{s}/" for s in sections)
-        for name in sorted(self.entries):
+        for name in sorted(self.entries) if strict else ():
             if name.startswith(sections) and name not in wanted:
                 entry = self.entries[name]
                 problems.append(f"unexpected in checkpoint: {_describe(name)} ({entry.dtype} {entry.shape})")
@@ -265,22 +271,31 @@ class ShardedCheckpoint:
     # ------------------------------------------------------------------ reading
     def full(self, name: str) -> Array:
         """The whole tensor of entry ``name``, put together from the ranks' pieces."""
-        entry = self.entries[name]
-        if entry.dim is None:
-            return self._whole[name].read(name)
-        parts = [handle.read(name).data for _, _, handle in self._pieces[name]]
-        if not parts:
-            return Array(np.zeros(entry.shape, HOLDERS[entry.dtype]), entry.dtype)
-        return Array(np.concatenate(parts, axis=entry.dim), entry.dtype)
+        return self.read(name, None, 0, 0)
 
     def read(self, name: str, dim: Optional[int], offset: int, length: int) -> Array:
-        """The slice ``[offset, offset + length)`` of entry ``name`` along ``dim`` (``None``: all of it)."""
-        whole = self.full(name)
-        if dim is None:
-            return whole
-        index = [slice(None)] * whole.data.ndim
-        index[dim] = slice(offset, offset + length)
-        return Array(np.ascontiguousarray(whole.data[tuple(index)]), whole.dtype)
+        """The slice ``[offset, offset + length)`` of entry ``name`` along ``dim`` (``None``: all of it).
+
+        Each piece that overlaps it gives only its part (safetensors reads a slice of a tensor), so a
+        rank's load holds its own chunk, not the whole entry.
+        """
+        entry = self.entries[name]
+        want = [(0, size) for size in entry.shape]
+        if dim is not None:
+            want[dim] = (offset, offset + length)
+        if entry.dim is None:
+            return self._whole[name].read(name, want)
+        start, stop = want[entry.dim]
+        parts = []
+        for piece_offset, piece_length, handle in self._pieces[name]:
+            low, high = max(start, piece_offset), min(stop, piece_offset + piece_length)
+            if low < high:
+                region = list(want)
+                region[entry.dim] = (low - piece_offset, high - piece_offset)
+                parts.append(handle.read(name, region).data)
+        if not parts:  # nothing along the dim the entry is cut along
+            return Array(np.zeros([b - a for a, b in want], HOLDERS[entry.dtype]), entry.dtype)
+        return Array(np.concatenate(parts, axis=entry.dim), entry.dtype)
 
 
 def _along(entry: Entry, offset: int) -> tuple[int, ...]:

@@ -1,60 +1,56 @@
-"""What every checkpoint reader shares: the one error for a bad checkpoint, and the checks on the files it names.
+"""A checkpoint's files on disk: written so that they survive a crash, read without trusting their names.
 
-A checkpoint is untrusted input: a file may be damaged, cut short, or
-crafted. Every reader (both runtimes' loaders, ``export``, ``--resume``)
-raises :class:`CheckpointError` for anything wrong with one, naming the
-checkpoint and the file, before it reads anything into a model or writes
-anything. File names come from the checkpoint, so each must be a plain name
-inside its directory, and the file a regular one: a symlink inside a
-checkpoint is refused whatever it points to (the directory itself may be
-reached through symlinks; the user chose that path).
+Writing: a file is fsynced before the rename that publishes its directory,
+and the rename is fsynced in its parent (:func:`write_file_durably`,
+:func:`fsync_dir`), so once a save returned, a crash cannot take it back.
+
+Reading: file names come from the checkpoint, so each must be a plain name
+inside its directory (:func:`plain_file_name`), and the file a regular one:
+a symlink inside a checkpoint is refused whatever it points to, checked
+with ``lstat`` and opened with ``O_NOFOLLOW`` (the directory itself may be
+reached through symlinks; the user chose that path). Whole-file reads are
+bounded (:func:`read_whole`). Anything wrong is a
+:class:`~fullshard.checkpoint.untrusted.CheckpointError` naming the file.
 """
 from __future__ import annotations
 
 import os
-import reprlib
 import stat
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Any, Union
+
+from fullshard.checkpoint.untrusted import CheckpointError, show
 
 # Longer names are not plain names on common file systems.
 _MAX_NAME = 255
 # Characters that make a name a path on some platform (":" a Windows drive or stream).
 _PATH_CHARACTERS = frozenset("/\\:\0")
-_SHOW = reprlib.Repr()
-_SHOW.maxstring, _SHOW.maxother, _SHOW.maxlevel = 80, 80, 3
 
 
-class CheckpointError(ValueError):
-    """A checkpoint that cannot be loaded as it is: damaged, incomplete, crafted, or not this kind.
-
-    ``checkpoint`` and ``file`` say where (``file`` is None for the directory
-    as a whole). A ``ValueError``, so callers that caught one keep working.
-    """
-
-    def __init__(self, message: str, checkpoint: Optional[str] = None, file: Optional[str] = None) -> None:
-        super().__init__(message)
-        self.checkpoint, self.file = checkpoint, file
-
-    @classmethod
-    def at(cls, checkpoint: Union[str, Path], problem: str, file: Optional[str] = None) -> "CheckpointError":
-        where = f"checkpoint {checkpoint}" + (f", file {file}" if file else "")
-        return cls(f"{where}: {problem}", str(checkpoint), file)
-
-    def __reduce__(self):  # DCP sends a rank's failure to the others pickled
-        return (type(self), (str(self), self.checkpoint, self.file))
+# ---------------------------------------------------------------------- writing
+def fsync_dir(path: Path) -> None:
+    """Make a rename in ``path`` durable (POSIX); a no-op where directories cannot be opened."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
 
 
-def show(value: Any) -> str:
-    """``repr`` of a value from a checkpoint, cut short (a crafted one may be huge or deeply nested)."""
-    return _SHOW.repr(value)
+def write_file_durably(path: Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` and fsync it (the rename that publishes it comes later)."""
+    with open(path, "wb") as handle:
+        handle.write(data)
+        handle.flush()
+        os.fsync(handle.fileno())
 
 
-def is_int(value: Any) -> bool:
-    """An integer and not a bool (JSON ``true`` and pickled ``True`` are ints to Python)."""
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
+# ---------------------------------------------------------------------- reading
 def plain_file_name(name: Any, checkpoint: Union[str, Path], what: str) -> str:
     """``name`` itself when it names a file directly inside the checkpoint directory; else CheckpointError."""
     if (not isinstance(name, str) or not name or len(name) > _MAX_NAME or name in (".", "..")

@@ -1,8 +1,8 @@
-"""Checkpoint directories that are always found complete: the rename protocol both runtimes use.
+"""Publishing a checkpoint: a directory that is always found complete, and a save that fails on every rank at once.
 
 A checkpoint ``<root>/step_<N>`` is written as ``step_<N>.partial``; once
-every rank has finished, the manifest (:mod:`fullshard.core.manifest`) is
-written into it and :func:`publish` renames it into place. A directory
+every rank has finished, the manifest (:mod:`fullshard.checkpoint.manifest`)
+is written into it and :func:`publish` renames it into place. A directory
 cannot be renamed over a non-empty one, so publishing over an older
 checkpoint takes steps, and at every instant one of these holds:
 
@@ -14,8 +14,21 @@ checkpoint takes steps, and at every instant one of these holds:
 :func:`latest_step` apply that rule, so a crash anywhere in a save leaves a
 checkpoint that loads; :func:`resolve` warns when it takes the one beside.
 A save cut short before its manifest leaves a ``.partial`` that is never
-taken and that the next save of that step removes. :func:`save_together` runs
-the protocol across ranks, so that a failure on one rank raises on all.
+taken and that the next save of that step removes.
+
+:func:`save_together` runs the protocol across ranks. A save mixes parts one
+rank does alone (rank 0 creates the ``.partial``, writes the manifest and
+publishes) with the part every rank does (its own files). If a rank simply
+raised, the others would wait in the save's next collective until the
+process group's timeout, and the group would then be dead. Instead every
+rank reports after each part, failed or not (:func:`share`), and all of them
+raise the same :class:`RanksFailed` naming the failed ranks and their
+errors; the group stays in step, so a caller that catches the error can go
+on using it. The ranks and their float32 sums are
+:class:`fullshard.core.agreement.Ranks` (the same on every backend:
+MindSpore's CPU one sums float32 only). A first sum carries one flag per
+rank; only when one is set does a second carry every failed rank's message
+(:func:`fullshard.core.agreement.gather_texts`).
 """
 from __future__ import annotations
 
@@ -26,19 +39,20 @@ import warnings
 from pathlib import Path
 from typing import Callable, Optional, Union
 
-from fullshard.core import manifest
-from fullshard.core.durable import fsync_dir
-from fullshard.core.agreement import Ranks
-from fullshard.core.rank_failures import run_together
-from fullshard.core.untrusted import CheckpointError
+from fullshard.checkpoint import manifest
+from fullshard.checkpoint.files import fsync_dir
+from fullshard.checkpoint.untrusted import CheckpointError
+from fullshard.core.agreement import Ranks, gather_texts
 
 _STEP = re.compile(r"^step_(\d+)(\.partial|\.replaced)?$")
+CAUSE_BYTES = 480  # of each failed rank's message that travels to the others; a longer one is cut short
 
 
 class RecoveredCheckpointWarning(UserWarning):
     """A checkpoint was missing at its path and the complete copy an interrupted save left beside it was used."""
 
 
+# ---------------------------------------------------------------------- the directories
 def step_dir(root: Union[str, Path], step: int) -> Path:
     return Path(root) / f"step_{step}"
 
@@ -101,6 +115,54 @@ def latest_step(root: Union[str, Path]) -> Optional[int]:
     return max(steps, default=None)
 
 
+# ---------------------------------------------------------------------- every rank learns how a part went
+class RanksFailed(RuntimeError):
+    """A part of a collective step failed on some ranks; every rank of the group raises it, naming them."""
+
+    def __init__(self, message: str, failures: dict[int, str]) -> None:
+        super().__init__(message)
+        self.failures = failures  # rank -> "ErrorType: message"
+
+
+def _cause(error: BaseException) -> str:
+    return f"{type(error).__name__}: {error}" if str(error) else type(error).__name__
+
+
+def run_together(ranks: Ranks, action: Callable[[], object], what: str, fix: str, only: Optional[int] = None) -> None:
+    """``action()`` here (only on rank ``only``, if given), then :func:`share` how it went."""
+    error = None
+    if only is None or only == ranks.slot:
+        try:
+            action()
+        except Exception as caught:  # every rank must learn of it, or the others would wait for this one
+            error = caught
+    share(ranks, error, what, fix)
+
+
+def share(ranks: Ranks, error: Optional[Exception], what: str, fix: str) -> None:
+    """Every rank calls it with its own ``error`` (None: this rank's part went well). If any rank failed, every
+    rank raises :class:`RanksFailed`: "``what`` failed on rank R: <its error>. ``fix``".
+
+    Alone (no process group) there is no one to tell: the error is raised as it is.
+    """
+    if ranks.slots == 1:
+        if error is not None:
+            raise error
+        return
+    flags = ranks.sum([1.0 if slot == ranks.slot and error is not None else 0.0 for slot in range(ranks.slots)])
+    failed = [slot for slot, flag in enumerate(flags) if flag > 0.5]
+    if not failed:
+        return
+    texts = gather_texts(ranks, _cause(error) if error is not None else "", CAUSE_BYTES)
+    causes = {slot: texts[slot] for slot in failed}
+    if len(failed) == 1:
+        where = f"rank {failed[0]}: {causes[failed[0]]}"
+    else:
+        where = f"{len(failed)} ranks ({'; '.join(f'rank {r}: {c}' for r, c in causes.items())})"
+    raise RanksFailed(f"{what} failed on {where}. {fix}", causes) from error
+
+
+# ---------------------------------------------------------------------- publishing
 def start_partial(final: Union[str, Path]) -> Path:
     """An empty ``<final>.partial`` directory (what an interrupted save left there is removed). One rank calls it.
 
@@ -146,7 +208,7 @@ def save_together(final: Union[str, Path], ranks: Ranks, write_files: Callable[[
 
     Every rank calls it. Each part ends with the ranks telling each other how it went (one all-reduce,
     which also orders the parts), so a failure on any rank raises
-    :class:`~fullshard.core.rank_failures.RanksFailed` on every rank at once, naming that rank and its
+    :class:`RanksFailed` on every rank at once, naming that rank and its
     error, instead of leaving the others in the next collective until the process group times out.
     """
     final = Path(final)
