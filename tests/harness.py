@@ -17,7 +17,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from fullshard.core.procs import free_port
+from fullshard.train.procs import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 COLLECTIVE_TIMEOUT_S = 60

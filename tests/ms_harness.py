@@ -20,7 +20,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from fullshard.core.procs import free_port
+from fullshard.train.procs import free_port
 from tests.harness import read_results
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -17,7 +17,7 @@ from mindspore.communication import get_rank, init
 
 import fullshard.mindspore as fs
 from fullshard.checkpoint.formats import sharded_safetensors
-from fullshard.core.msrun import register_worker
+from fullshard.train.msrun import register_worker
 from tests.ms_parity import TinyLM, init_numpy, lm_batch, lm_loss, local_rows, wrap_layers
 
 

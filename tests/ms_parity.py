@@ -113,7 +113,7 @@ def assert_close(got: np.ndarray, want: np.ndarray, what: str, atol: float = FP3
 
 def gathered_bytes(state) -> int:
     """Bytes one gather of a unit carries (every rank's padded chunks), from its plan."""
-    from fullshard.mindspore.policies import dtype_bytes
+    from fullshard.mindspore.collectives import dtype_bytes
 
     return sum(b.total_numel * dtype_bytes(g.plan.members(i)[0].compute_dtype)
                for g in state.groups for i, b in enumerate(g.plan.buckets))

@@ -10,7 +10,7 @@ import mindspore as ms
 from mindspore import Tensor, ops
 
 import fullshard.mindspore as fs
-from fullshard.core.agreement import RanksDisagree
+from fullshard.core.checks import RanksDisagree
 from tests.ms_parity import TinyLM, init_numpy, rank, world, wrap_layers
 
 

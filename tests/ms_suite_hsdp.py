@@ -11,8 +11,8 @@ import numpy as np
 import mindspore as ms
 
 import fullshard.mindspore as fs
-from fullshard.core.traffic import reset_traffic, traffic_bytes
-from fullshard.plan.strategy import bytes_sent_per_rank
+from fullshard.core.buffers import reset_traffic, traffic_bytes
+from fullshard.plan.formulas import bytes_sent_per_rank
 from fullshard.plan import Exchange
 from tests.ms_parity import TinyLM, assert_close, init_numpy, lm_batch, lm_loss, local_rows, run_parity, shard_of
 

@@ -1,7 +1,7 @@
 """Ownership, byte-meter and zero-copy scenarios for fullshard.mindspore on 2 msrun workers.
 
 The runtime is observed from outside: which tensors it borrows and adopts
-(wrapping ``fullshard.mindspore.buffers``), which gradients autograd handed a
+(wrapping ``fullshard.mindspore.collectives``), which gradients autograd handed a
 unit's gather (wrapping ``group.reduce_in_bprop``), and the byte meter. Run with
 ``FULLSHARD_CHECK_OWNERSHIP=1`` (``./run test`` sets it), so every scenario
 also runs under the sanitizer.
@@ -17,13 +17,12 @@ import mindspore as ms
 from mindspore import Tensor, nn, ops
 
 import fullshard.mindspore as fs
-from fullshard.core.buffers import live_owned_buffers
-from fullshard.core.traffic import reset_traffic, traffic_bytes
-from fullshard.mindspore import buffers, group as group_module
-from fullshard.mindspore.policies import dtype_bytes
+from fullshard.core.buffers import live_owned_buffers, reset_traffic, traffic_bytes
+from fullshard.mindspore import collectives, group as group_module
+from fullshard.mindspore.collectives import dtype_bytes
 from fullshard.plan import DEFAULT_FUSE_BELOW_NUMEL, Unsharded
-from fullshard.plan.exchange import carried_traffic
-from fullshard.plan.strategy import Strategy, bytes_sent_per_rank, per_rank_theory
+from fullshard.plan.formulas import carried_traffic, bytes_sent_per_rank, per_rank_theory
+from fullshard.plan.group import Strategy
 from tests.ms_parity import (
     TinyLM,
     assert_close,
@@ -43,13 +42,13 @@ from tests.ms_suite_parity import ConcatLM, TiedTwice
 def observe():
     """Record what fullshard borrows and adopts, and every gradient a unit's gather was handed."""
     seen = {"borrowed": [], "adopted": [], "grads": []}
-    borrow, adopt, reduce_in_bprop = buffers.borrow, buffers.adopt, group_module.reduce_in_bprop
+    borrow, adopt, reduce_in_bprop = collectives.borrow, collectives.adopt, group_module.reduce_in_bprop
 
     def borrow_and_record(tensor, what):
         seen["borrowed"].append(what)
         return borrow(tensor, what)
 
-    def adopt_and_record(tensor, what, sources, kind=buffers.Kind.TRANSIENT):
+    def adopt_and_record(tensor, what, sources, kind=collectives.Kind.TRANSIENT):
         owned = adopt(tensor, what, sources, kind)
         seen["adopted"].append(owned)
         return owned
@@ -60,11 +59,11 @@ def observe():
             seen["grads"].append((param.fqn, grad, grad.copy(), storage.nbytes(), storage.data_ptr()))
         return reduce_in_bprop(groups, grads)
 
-    buffers.borrow, buffers.adopt, group_module.reduce_in_bprop = borrow_and_record, adopt_and_record, reduce_and_record
+    collectives.borrow, collectives.adopt, group_module.reduce_in_bprop = borrow_and_record, adopt_and_record, reduce_and_record
     try:
         yield seen
     finally:
-        buffers.borrow, buffers.adopt, group_module.reduce_in_bprop = borrow, adopt, reduce_in_bprop
+        collectives.borrow, collectives.adopt, group_module.reduce_in_bprop = borrow, adopt, reduce_in_bprop
 
 
 def _assert_caller_grads_intact(seen):
@@ -110,7 +109,7 @@ def seed_path():
 
 def _adoption_error(tensor, what, sources) -> str:
     try:
-        buffers.adopt(tensor, what, sources)
+        collectives.adopt(tensor, what, sources)
     except fs.OwnershipError as error:
         return str(error)
     raise AssertionError(f"adopting {what} must raise")
@@ -125,11 +124,11 @@ def seed_bug_outside_bprop():
     what = "reduce-scatter input of [w] of cell 'm'"
     from_source = _adoption_error(aliased, what, (grad,))  # nothing registered: the source alone catches it
     assert what in from_source and "shares storage with what it was made from" in from_source, from_source
-    lent = buffers.borrow(grad, "gradient of [w] of cell 'm'")
+    lent = collectives.borrow(grad, "gradient of [w] of cell 'm'")
     message = _adoption_error(aliased, what, ())  # no source named: the borrowed registry catches it
     assert "gradient of [w] of cell 'm'" in message and "reduce-scatter input of [w]" in message, message
     assert grad.untyped_storage().nbytes() == 8 * 4 * 4 and float(grad.asnumpy().sum()) == 96.0
-    real = buffers.adopt(grad.astype(ms.float16), "fp16 copy", (grad,))  # another dtype allocates: owned
+    real = collectives.adopt(grad.astype(ms.float16), "fp16 copy", (grad,))  # another dtype allocates: owned
     real.reclaim()
     lent.release()
     assert grad.untyped_storage().nbytes() == 128
@@ -202,7 +201,7 @@ def padding_path_no_leak():
             owned.append(live_owned_buffers())
             adopted.append(len(seen["adopted"]))
     assert set(live) == {base_bytes}, f"owned bytes left after a step: {sorted(set(live))} (before: {base_bytes})"
-    if buffers.check_ownership_enabled():
+    if collectives.check_ownership_enabled():
         assert set(owned) == {base_buffers}, f"owned buffers left registered: {sorted(set(owned))}"
     per_step = {b - a for a, b in zip(adopted, adopted[1:])}
     assert len(per_step) == 1, f"the same buffers every step, got {per_step}"
@@ -419,10 +418,10 @@ def aliasing_at(site: str):
     and ``sources`` reach the real ownership check."""
     from fullshard.mindspore import buckets, group
 
-    adopt, copy, unpack = buffers.adopt, group.sharded_copy, buckets.unpack_member
+    adopt, copy, unpack = collectives.adopt, group.sharded_copy, buckets.unpack_member
     hits = []
 
-    def aliasing_adopt(tensor, what, sources, kind=buffers.Kind.TRANSIENT):
+    def aliasing_adopt(tensor, what, sources, kind=collectives.Kind.TRANSIENT):
         victims = [t for t in sources if t is not None and t.size]
         if what.startswith(site) and victims:
             hits.append(what)
@@ -437,7 +436,7 @@ def aliasing_at(site: str):
         hits.append(site)
         return flat
 
-    buffers.adopt = aliasing_adopt
+    collectives.adopt = aliasing_adopt
     if site == "sharded gradient of":
         group.sharded_copy = uncopied_grad
     if site == "full '":
@@ -445,7 +444,7 @@ def aliasing_at(site: str):
     try:
         yield hits
     finally:
-        buffers.adopt, group.sharded_copy, buckets.unpack_member = adopt, copy, unpack
+        collectives.adopt, group.sharded_copy, buckets.unpack_member = adopt, copy, unpack
 
 
 def drive_gathers(net):

@@ -11,7 +11,7 @@ import mindspore as ms
 from mindspore import Parameter, Tensor, mint, nn, ops
 
 import fullshard.mindspore as fs
-from fullshard.core.traffic import reset_traffic, traffic_bytes
+from fullshard.core.buffers import reset_traffic, traffic_bytes
 from fullshard.mindspore import buckets
 from tests.ms_parity import (
     TinyLM,

@@ -9,7 +9,7 @@ from __future__ import annotations
 import mindspore as ms
 
 import fullshard.mindspore as fs
-from fullshard.mindspore import buckets, buffers
+from fullshard.mindspore import buckets, collectives
 from fullshard.plan import Ownership, ReducePlan
 from tests.ms_parity import TinyLM, assert_close, init_numpy, lm_batch, lm_loss, local_rows, shard_of, wrap_layers
 
@@ -18,7 +18,7 @@ def seed_bug_in_bprop():
     """The seed's code: believe that a "cast" to the reduce dtype allocates, so pack every gradient with
     ``grad.astype(reduce_dtype).reshape(-1)`` and own (later free) the result. With fp32 gradients and
     reduce_dtype fp32 that is the caller's storage: the sanitizer stops it, naming the parameter."""
-    assert buffers.check_ownership_enabled(), "run with FULLSHARD_CHECK_OWNERSHIP=1"
+    assert collectives.check_ownership_enabled(), "run with FULLSHARD_CHECK_OWNERSHIP=1"
     mp = fs.MixedPrecisionPolicy(reduce_dtype=ms.float32, apply_grad_on_fp32_main_grad=True)
     net, reference = init_numpy(TinyLM()), init_numpy(TinyLM())
     wrap_layers(net, mp_policy=mp, strategy="optim_grads_params", comm_fusion=False)

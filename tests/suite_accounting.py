@@ -11,9 +11,9 @@ import weakref
 import torch
 
 from fullshard.torch.accounting import memory_report, reset_traffic
-from fullshard.torch.buffers import comm_bytes, reset_peak_comm_bytes
+from fullshard.torch.collectives import comm_bytes, reset_peak_comm_bytes
 from fullshard.plan import choose_exchange, reduce_scratch_chunks
-from fullshard.plan.strategy import Strategy
+from fullshard.plan.group import Strategy
 from tests.parity import build_gpt, gpt_batch, gpt_loss, mesh_1d, shard_blocks_then_root
 
 

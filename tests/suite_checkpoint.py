@@ -32,12 +32,11 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.debug import CommDebugMode
 from torch.utils._pytree import tree_map
 
-import fullshard.core.traffic as traffic_meter
+import fullshard.core.buffers as traffic_meter
 from fullshard import FSDPModule
-from fullshard.checkpoint import manifest, publish
+from fullshard.checkpoint import manifest, publish, latest_step, step_dir
 from fullshard.checkpoint.publish import RanksFailed
 from fullshard.checkpoint.untrusted import CheckpointError
-from fullshard.checkpoint import latest_step, step_dir
 from fullshard.torch.checkpoint import (full_state_dict, load_checkpoint, load_state_dict, save_checkpoint,
                                         save_state_dict)
 from fullshard.models.gpt import GPT, GPTConfig

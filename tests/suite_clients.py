@@ -382,7 +382,7 @@ def unused_params_reduce_only_after_grad_enabled_forwards():
 
 def pipeline_schedule_reduces_after_the_last_micro_batch():
     """torch.distributed.pipelining treats fullshard stages as FSDP2 ones: sync off per
-    micro-batch, then its own reduction through the FSDP2 state (runtime/fsdp2_views.py)."""
+    micro-batch, then its own reduction through the FSDP2 state (``fullshard.torch.api.StateView``)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
 

@@ -12,7 +12,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 import fullshard.torch.group as group_module
 from fullshard import FSDPModule, MixedPrecisionPolicy, fully_shard
-from fullshard.core.agreement import RanksDisagree
+from fullshard.core.checks import RanksDisagree
 from fullshard.models.gpt import GPT, GPTConfig
 from tests.parity import build_gpt, mesh_1d, run_parity, shard_blocks_then_root
 

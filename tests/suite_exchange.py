@@ -17,7 +17,6 @@ from torch.distributed.tensor import Shard
 
 import fullshard.torch.group as group_module
 from fullshard import MixedPrecisionPolicy
-from fullshard.torch import buffers
 from fullshard.plan import Exchange, exchange_tag, reduce_scratch_chunks
 from fullshard.plan.exchange import EXCHANGE_ENV
 from fullshard.torch import collectives
@@ -116,7 +115,7 @@ def _count_calls():
     counts = {"collectives": 0, "sends": 0, "packed_gather_inputs": 0}
     names = ("all_gather_single", "all_gather_into_tensor", "reduce_scatter_single", "reduce_scatter_tensor")
     originals = {name: getattr(dist, name) for name in names if hasattr(dist, name)}
-    original_isend, original_allocate = dist.isend, buffers.allocate
+    original_isend, original_allocate = dist.isend, collectives.allocate
 
     def counting(name):
         def call(*args, **kwargs):
@@ -135,13 +134,13 @@ def _count_calls():
 
     for name in originals:
         setattr(dist, name, counting(name))
-    dist.isend, buffers.allocate = isend, allocate
+    dist.isend, collectives.allocate = isend, allocate
     try:
         yield counts
     finally:
         for name, original in originals.items():
             setattr(dist, name, original)
-        dist.isend, buffers.allocate = original_isend, original_allocate
+        dist.isend, collectives.allocate = original_isend, original_allocate
 
 
 def _one_step_counts(**kwargs) -> dict:

@@ -395,7 +395,7 @@ def freezing_after_fully_shard_is_followed():
 def kept_gathered_after_synced_backward():
     """set_reshard_after_backward(False) keeps a unit gathered for the next micro-batch even when that
     backward reduced (FSDP2's meaning): one gather per step; the optimizer's step is still seen."""
-    from fullshard.core.traffic import traffic
+    from fullshard.core.buffers import traffic
 
     mesh = mesh_1d()
     torch.manual_seed(0)

@@ -9,7 +9,7 @@ and what a post-accumulate-grad hook sees) must be this rank's chunk of the refe
 ``None`` exactly where the reference's is. After the last step the full parameters must match.
 
 Each backward that syncs also counts the reduction collectives this rank issued
-(``fullshard.core.traffic``'s call counter: reduce-scatters, all-reduces of ``no_shard``
+(``fullshard.core.buffers``'s call counter: reduce-scatters, all-reduces of ``no_shard``
 and HSDP's replica all-reduces) and checks that (a) the count is what the plan says (one
 reduction per bucket with trainable parameters of every unit the step used, per kind,
 read from the groups' plans) and (b) every rank issued the same collectives, in the
@@ -101,9 +101,9 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 import fullshard.torch.collectives as collectives
 import fullshard.torch.group as group_module
 from fullshard import fully_shard
-from fullshard.core import traffic
+from fullshard.core import buffers as traffic  # the traffic meter
 from fullshard.core.unit import distinct_units
-from fullshard.plan.strategy import Strategy
+from fullshard.plan.group import Strategy
 
 STRATEGIES = [s.value for s in Strategy]
 STEPS = 3

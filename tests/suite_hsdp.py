@@ -96,7 +96,7 @@ def suite():
 def reshard_after_forward_to_smaller_group():
     """reshard_after_forward=2 on 4 ranks: backward all-gathers within pairs, from half-size kept chunks."""
     import fullshard.torch.collectives as collectives
-    from fullshard.torch.buffers import comm_bytes
+    from fullshard.torch.collectives import comm_bytes
     from tests.parity import mesh_1d
 
     mesh = mesh_1d()

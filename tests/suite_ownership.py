@@ -1,7 +1,7 @@
 """Regression scenarios for the seed's bug class (issue 2), on 2 gloo ranks.
 
 The runtime is observed from outside: which tensors it borrows and allocates
-(by wrapping ``fullshard.torch.buffers``) and which gradients autograd handed it
+(by wrapping ``fullshard.torch.collectives``) and which gradients autograd handed it
 (by wrapping ``ShardedParam.take_unsharded_grad``).
 """
 from __future__ import annotations
@@ -18,7 +18,7 @@ from torch.distributed.tensor import Shard
 
 import fullshard.torch.group as group_module
 from fullshard import MixedPrecisionPolicy, fully_shard
-from fullshard.torch import buffers
+from fullshard.torch import collectives
 from fullshard.plan import Unsharded
 from fullshard.plan.exchange import EXCHANGE_ENV
 from fullshard.torch.param import ShardedParam
@@ -29,7 +29,7 @@ from tests.parity import mesh_1d, run_parity
 def observe():
     """Record gradients handed to fullshard, and what it borrows and allocates."""
     seen = {"grads": [], "borrowed": [], "allocated": []}
-    take, borrow, allocate = ShardedParam.take_unsharded_grad, buffers.borrow, buffers.allocate
+    take, borrow, allocate = ShardedParam.take_unsharded_grad, collectives.borrow, collectives.allocate
 
     def take_and_record(self):
         grad = take(self)
@@ -47,14 +47,14 @@ def observe():
         return owned
 
     ShardedParam.take_unsharded_grad = take_and_record
-    buffers.borrow, buffers.allocate = borrow_and_record, allocate_and_record
+    collectives.borrow, collectives.allocate = borrow_and_record, allocate_and_record
     saved_fuse = group_module.DEFAULT_FUSE_BELOW_NUMEL
     group_module.DEFAULT_FUSE_BELOW_NUMEL = 0  # the seed's configuration: no communication fusion
     try:
         yield seen
     finally:
         ShardedParam.take_unsharded_grad = take
-        buffers.borrow, buffers.allocate = borrow, allocate
+        collectives.borrow, collectives.allocate = borrow, allocate
         group_module.DEFAULT_FUSE_BELOW_NUMEL = saved_fuse
 
 
@@ -213,8 +213,8 @@ def padding_path_reclaims_its_buffers():
             seen["allocated"].clear()
             seen["grads"].clear()
             gc.collect()  # earlier scenarios' models may be collected at any point: count after a collection
-            live.append(buffers.live_owned_buffers())
-    if buffers.check_ownership_enabled():
+            live.append(collectives.live_owned_buffers())
+    if collectives.check_ownership_enabled():
         assert len(set(live[1:])) == 1, f"owned buffer count grows: {live[:3]} ... {live[-3:]}"
     return live[-1]
 
@@ -279,17 +279,17 @@ def accumulators_are_counted_as_main_grad():
         fully_shard(layer, mesh=mesh_1d(), mp_policy=mp)
     fully_shard(model, mesh=mesh_1d(), mp_policy=mp)
     x, y = _batch_for(7, 5)(0, 4 * world)
-    before = buffers.comm_bytes()
+    before = collectives.comm_bytes()
     model.set_requires_gradient_sync(False)
     _mse(model, (x[4 * rank:4 * rank + 2].bfloat16(), y[4 * rank:4 * rank + 2].bfloat16())).backward()
-    held = buffers.comm_bytes()
+    held = collectives.comm_bytes()
     full = sum(p.numel() for p in MLP([7, 12, 5]).parameters())
     assert held["main_grad_live"] - before["main_grad_live"] == 4 * full, (held, before)
     assert held["transient_live"] == before["transient_live"]
     assert memory_report(model)["measured"]["main_grad"] - before["main_grad_live"] == 4 * full
     model.set_requires_gradient_sync(True)
     _mse(model, (x[4 * rank + 2:4 * rank + 4].bfloat16(), y[4 * rank + 2:4 * rank + 4].bfloat16())).backward()
-    assert buffers.comm_bytes()["main_grad_live"] == before["main_grad_live"]
+    assert collectives.comm_bytes()["main_grad_live"] == before["main_grad_live"]
     return held["main_grad_live"] - before["main_grad_live"]
 
 
@@ -297,27 +297,27 @@ def accumulators_are_counted_as_main_grad():
 def aliasing_at(site: str):
     """Re-introduce the seed's bug at one site: the buffer it makes (``what`` starting with ``site``) is the
     storage it was made from. The site's own ``what`` and ``sources`` reach the real ownership check."""
-    allocate, copy = buffers.allocate, buffers._copy
+    allocate, copy = collectives.allocate, collectives._copy
     hits = []
 
-    def aliasing_allocate(shape, dtype, device, what, kind=buffers.Kind.TRANSIENT, sources=()):
+    def aliasing_allocate(shape, dtype, device, what, kind=collectives.Kind.TRANSIENT, sources=()):
         victims = [t for t in sources if t is not None and t.numel()]
         if not (what.startswith(site) and victims):
             return allocate(shape, dtype, device, what, kind, sources)
         hits.append(what)
-        return buffers.Owned(victims[0], what, buffers.TORCH_STORAGE, kind, sources=sources)
+        return collectives.Owned(victims[0], what, collectives.TORCH_STORAGE, kind, sources=sources)
 
     def aliasing_copy(tensor, dtype, device, non_blocking):
         hits.append(site)
         return tensor  # a "copy" that is its input, as a same-dtype to() is
 
-    buffers.allocate = aliasing_allocate
+    collectives.allocate = aliasing_allocate
     if site == "sharded gradient of":
-        buffers._copy = aliasing_copy
+        collectives._copy = aliasing_copy
     try:
         yield hits
     finally:
-        buffers.allocate, buffers._copy = allocate, copy
+        collectives.allocate, collectives._copy = allocate, copy
 
 
 def _bf16_compute():
@@ -385,7 +385,7 @@ def _caught_at(site: str, wrap_kwargs, micro_batches: int):
                     model.set_requires_gradient_sync(index == micro_batches - 1)
                     part = slice((rank * micro_batches + index) * 2, (rank * micro_batches + index + 1) * 2)
                     _mse(model, (x[part], y[part])).backward()
-            except buffers.OwnershipError as error:
+            except collectives.OwnershipError as error:
                 message = str(error)
             else:
                 raise AssertionError(f"an aliasing {site!r} was not caught (reached {len(hits)} times)")
@@ -429,9 +429,9 @@ def soak_500_steps_flat_buffer_count():
         _mse(model, (x.chunk(world)[rank], y.chunk(world)[rank])).backward()
         opt.step()
         opt.zero_grad()
-        counts.append(buffers.live_owned_buffers())
-        sizes.append(buffers.comm_bytes()["live"])
+        counts.append(collectives.live_owned_buffers())
+        sizes.append(collectives.comm_bytes()["live"])
     assert len(set(sizes[1:])) == 1, f"owned bytes drift: {sizes[1:4]} ... {sizes[-3:]}"
-    if buffers.check_ownership_enabled():
+    if collectives.check_ownership_enabled():
         assert len(set(counts[1:])) == 1, f"owned buffer count drifts: {counts[1:4]} ... {counts[-3:]}"
     return {"owned_buffers": counts[-1], "owned_bytes": sizes[-1]}

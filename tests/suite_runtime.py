@@ -16,7 +16,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
 
 from fullshard.core.unit import TrainingPhase
-from fullshard.plan.strategy import Strategy
+from fullshard.plan.group import Strategy
 from tests.parity import build_gpt, gpt_batch, mesh_1d, run_parity, shard_blocks_then_root
 
 MODES = {

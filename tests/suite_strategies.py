@@ -10,8 +10,8 @@ import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from fullshard import FSDPModule, MixedPrecisionPolicy
-from fullshard.plan.strategy import Strategy
-from fullshard.core.traffic import traffic
+from fullshard.plan.group import Strategy
+from fullshard.core.buffers import traffic
 from tests.parity import build_gpt, gpt_batch, gpt_loss, mesh_1d, run_parity, shard_blocks_then_root
 
 PRECISIONS = {

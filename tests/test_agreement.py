@@ -1,14 +1,14 @@
-"""The rank-agreement check (``fullshard.core.agreement``) on plain objects: ranks are threads, a group's
+"""The rank-agreement check (``fullshard.core.checks``) on plain objects: ranks are threads, a group's
 sum is a barrier that adds what every thread brought (what an all-reduce does)."""
 import threading
 from types import SimpleNamespace
 
 import pytest
 
-from fullshard.core.agreement import (
+from fullshard.core.checks import (
     Fingerprint, Ranks, RanksDisagree, Row, _piece_bits, _ranks_text, check_ranks_agree, describe_model,
 )
-from fullshard.plan.strategy import AfterBackward, Strategy
+from fullshard.plan.group import AfterBackward, Strategy
 
 
 class FakeGroup:

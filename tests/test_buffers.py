@@ -2,21 +2,21 @@
 import pytest
 import torch
 
-from fullshard.torch import buffers
-from fullshard.torch.buffers import OwnershipError
+from fullshard.torch import collectives
+from fullshard.torch.collectives import OwnershipError
 
 
 @pytest.fixture(autouse=True)
 def sanitizer_on():
-    was = buffers.check_ownership_enabled()
-    buffers.set_check_ownership(True)
+    was = collectives.check_ownership_enabled()
+    collectives.set_check_ownership(True)
     yield
-    buffers.set_check_ownership(was)
+    collectives.set_check_ownership(was)
 
 
 def _claim(tensor, what, sources=()):
     """What every owned-buffer constructor of the runtime does with the tensor it made."""
-    return buffers.Owned(tensor, what, buffers.TORCH_STORAGE, sources=sources)
+    return collectives.Owned(tensor, what, collectives.TORCH_STORAGE, sources=sources)
 
 
 def test_seed_bug_same_dtype_conversion_is_caught():
@@ -26,7 +26,7 @@ def test_seed_bug_same_dtype_conversion_is_caught():
     converted = grad.to(torch.float32).reshape(-1)  # returns the caller's storage
     with pytest.raises(OwnershipError, match=r"reduce-scatter input of \[w\].*shares storage with what it was made"):
         _claim(converted, "reduce-scatter input of [w] of module 'm'", sources=(grad,))
-    lent = buffers.borrow(grad, "gradient of [w] of module 'm'")
+    lent = collectives.borrow(grad, "gradient of [w] of module 'm'")
     with pytest.raises(OwnershipError, match=r"gradient of \[w\] of module 'm'"):
         _claim(converted, "reduce-scatter input of [w] of module 'm'")
     lent.release()
@@ -57,7 +57,7 @@ def test_copy_of_really_copies_where_to_would_return_its_input():
     from torch.testing._internal.two_tensor import TwoTensor
 
     for source in (torch.randn(8, 4), TwoTensor(torch.randn(8, 4), torch.randn(8, 4))):
-        owned = buffers.copy_of(source, torch.float32, torch.device("cpu"), "copy of 'w'")
+        owned = collectives.copy_of(source, torch.float32, torch.device("cpu"), "copy of 'w'")
         assert type(owned.tensor) is torch.Tensor
         owned.reclaim()
         assert source.untyped_storage().nbytes() > 0  # untouched
@@ -65,8 +65,8 @@ def test_copy_of_really_copies_where_to_would_return_its_input():
 
 def test_a_real_cast_is_owned_and_can_be_reclaimed():
     grad = torch.randn(8, 4)
-    lent = buffers.borrow(grad, "gradient")
-    owned = buffers.copy_of(grad, torch.bfloat16, grad.device, "cast of gradient")
+    lent = collectives.borrow(grad, "gradient")
+    owned = collectives.copy_of(grad, torch.bfloat16, grad.device, "cast of gradient")
     owned.reclaim()
     assert owned.is_reclaimed and grad.untyped_storage().nbytes() > 0
     owned.regrow()
@@ -76,31 +76,31 @@ def test_a_real_cast_is_owned_and_can_be_reclaimed():
 
 def test_a_copy_handed_out_is_checked_against_its_source(monkeypatch):
     output = torch.randn(16)
-    copied = buffers.copy_out(output[:8], torch.float32, output.device, "sharded gradient of 'w'")
+    copied = collectives.copy_out(output[:8], torch.float32, output.device, "sharded gradient of 'w'")
     assert copied.untyped_storage()._cdata != output.untyped_storage()._cdata
-    monkeypatch.setattr(buffers, "_copy", lambda tensor, *args: tensor)  # a "copy" that returns its input
+    monkeypatch.setattr(collectives, "_copy", lambda tensor, *args: tensor)  # a "copy" that returns its input
     with pytest.raises(OwnershipError, match="sharded gradient of 'w'"):
-        buffers.copy_out(output[:8], torch.float32, output.device, "sharded gradient of 'w'")
+        collectives.copy_out(output[:8], torch.float32, output.device, "sharded gradient of 'w'")
 
 
 def test_the_meter_counts_each_kind_apart():
-    before = buffers.comm_bytes()
-    kinds = {kind: buffers.allocate(4, torch.float32, torch.device("cpu"), kind.value, kind) for kind in buffers.Kind}
-    after = buffers.comm_bytes()
-    for kind in buffers.Kind:
+    before = collectives.comm_bytes()
+    kinds = {kind: collectives.allocate(4, torch.float32, torch.device("cpu"), kind.value, kind) for kind in collectives.Kind}
+    after = collectives.comm_bytes()
+    for kind in collectives.Kind:
         assert after[f"{kind.value}_live"] - before[f"{kind.value}_live"] == 16
     assert after["live"] - before["live"] == 48
-    kinds[buffers.Kind.TRANSIENT].retag(buffers.Kind.MAIN_GRAD)  # a reduced buffer kept as a partial sum
-    moved = buffers.comm_bytes()
+    kinds[collectives.Kind.TRANSIENT].retag(collectives.Kind.MAIN_GRAD)  # a reduced buffer kept as a partial sum
+    moved = collectives.comm_bytes()
     assert moved["transient_live"] == before["transient_live"] and moved["main_grad_live"] - before["main_grad_live"] == 32
     for owned in kinds.values():
         owned.reclaim()
-    assert buffers.comm_bytes()["live"] == before["live"]
+    assert collectives.comm_bytes()["live"] == before["live"]
 
 
 def test_owned_storage_that_is_also_lent_cannot_be_freed_or_written():
-    owned = buffers.allocate(16, torch.float32, torch.device("cpu"), "padded input of [w]")
-    view_lent_elsewhere = buffers.borrow(owned.tensor[:8], "someone's view")
+    owned = collectives.allocate(16, torch.float32, torch.device("cpu"), "padded input of [w]")
+    view_lent_elsewhere = collectives.borrow(owned.tensor[:8], "someone's view")
     with pytest.raises(OwnershipError, match="free"):
         owned.reclaim()
     with pytest.raises(OwnershipError, match="scale"):
@@ -111,24 +111,24 @@ def test_owned_storage_that_is_also_lent_cannot_be_freed_or_written():
 
 
 def test_unknown_storage_cannot_be_freed():
-    foreign = buffers.Owned.__new__(buffers.Owned)  # bypass registration: storage fullshard never allocated
-    foreign.tensor, foreign.what, foreign.kind = torch.randn(4), "a tensor from elsewhere", buffers.Kind.TRANSIENT
-    foreign._ops, foreign.resizable = buffers.TORCH_STORAGE, True
+    foreign = collectives.Owned.__new__(collectives.Owned)  # bypass registration: storage fullshard never allocated
+    foreign.tensor, foreign.what, foreign.kind = torch.randn(4), "a tensor from elsewhere", collectives.Kind.TRANSIENT
+    foreign._ops, foreign.resizable = collectives.TORCH_STORAGE, True
     foreign._nbytes, foreign._counted = 16, 0
     with pytest.raises(OwnershipError, match="not allocated by fullshard"):
         foreign.reclaim()
 
 
 def test_borrowed_has_no_way_to_free_or_write():
-    lent = buffers.borrow(torch.randn(4), "gradient")
+    lent = collectives.borrow(torch.randn(4), "gradient")
     assert not hasattr(lent, "reclaim") and not hasattr(lent, "writable")
 
 
 def test_handed_off_storage_is_no_longer_fullshards():
-    owned = buffers.allocate(4, torch.float32, torch.device("cpu"), "reduce-scatter output")
-    before = buffers.live_owned_buffers()
+    owned = collectives.allocate(4, torch.float32, torch.device("cpu"), "reduce-scatter output")
+    before = collectives.live_owned_buffers()
     grad = owned.hand_off()
-    assert buffers.live_owned_buffers() == before - 1 and grad.numel() == 4
+    assert collectives.live_owned_buffers() == before - 1 and grad.numel() == 4
 
 
 class _Work:
@@ -146,15 +146,15 @@ def test_abandoned_reduction_frees_only_idle_buffers(fails):
     are dropped (the storage goes with its last reference), never resized. Idle ones are reclaimed."""
     from fullshard.torch.buckets import PendingReduce
 
-    before = buffers.comm_bytes()["live"]
-    output = buffers.allocate(8, torch.float32, torch.device("cpu"), "reduce-scatter output")
-    scratch = buffers.allocate(8, torch.float32, torch.device("cpu"), "receive buffer")
+    before = collectives.comm_bytes()["live"]
+    output = collectives.allocate(8, torch.float32, torch.device("cpu"), "reduce-scatter output")
+    scratch = collectives.allocate(8, torch.float32, torch.device("cpu"), "receive buffer")
     still_referenced = [output.tensor, scratch.tensor]  # what a backend thread would still hold
-    pending = PendingReduce(_Work(fails), [scratch], output, None, None, [], 1.0, "[w] of module 'm'")
+    pending = PendingReduce(_Work(fails), [scratch], output, None, None, [], [True], 1.0, "[w] of module 'm'")
     pending.abandon()
     sizes = [t.untyped_storage().nbytes() for t in still_referenced]
     assert sizes == ([32, 32] if fails else [0, 0])
-    assert buffers.comm_bytes()["live"] == before
+    assert collectives.comm_bytes()["live"] == before
 
 
 def test_offload_copy_blocks_when_it_is_summed_at_once():

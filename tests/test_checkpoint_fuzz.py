@@ -40,7 +40,7 @@ from torch.distributed.checkpoint.metadata import (
 
 from fullshard import cli
 from fullshard.checkpoint import CheckpointError, manifest
-from fullshard.core.procs import free_port
+from fullshard.train.procs import free_port
 from fullshard.torch.checkpoint import export_checkpoint, load_checkpoint
 from fullshard.train import worker
 from fullshard.train.config import TrainConfig

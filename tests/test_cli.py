@@ -16,7 +16,8 @@ import torch
 from fullshard.checkpoint import latest_step
 from fullshard.cli import format_bytes
 from fullshard.models.gpt import GPT, MODEL_SIZES
-from fullshard.plan.strategy import Strategy, peak_state_bytes
+from fullshard.plan.group import Strategy
+from fullshard.plan.formulas import peak_state_bytes
 from fullshard.train.models import count_units
 
 ROOT = Path(__file__).resolve().parent.parent

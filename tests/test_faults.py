@@ -4,7 +4,7 @@ import subprocess
 import sys
 import time
 
-from fullshard.core.procs import free_port
+from fullshard.train.procs import free_port
 from tests.harness import ROOT
 
 TIMEOUT_S = 20

@@ -6,7 +6,7 @@ import pytest
 
 from fullshard.core.group import GATHER_TRANSITIONS, GatherState, Group
 from fullshard.core.unit import TRANSITIONS, UNIT_ATTR, Root, TrainingPhase, Unit, distinct_units
-from fullshard.plan.strategy import AfterBackward, Strategy
+from fullshard.plan.group import AfterBackward, Strategy
 
 _active = threading.local()
 

@@ -14,7 +14,7 @@ pytest.importorskip("mindspore")
 
 from fullshard.checkpoint.formats import sharded_safetensors  # noqa: E402
 from fullshard.checkpoint.publish import partial_dir  # noqa: E402
-from fullshard.core.msrun import WorkerFailed, launch  # noqa: E402
+from fullshard.train.msrun import WorkerFailed, launch  # noqa: E402
 from tests.harness import assert_scenario, suite_tests  # noqa: E402
 from tests.ms_harness import run_ms_suite  # noqa: E402
 from tests.ms_suite_checkpoint import SAVE_AT  # noqa: E402
@@ -74,7 +74,7 @@ def test_mindspore_paths_import_no_torch():
     """The checkpoint format, the MindSpore job, its GPT, the benchmark and the CLI work without torch."""
     subprocess.run([sys.executable, "-c",
                     "import sys; sys.modules['torch'] = None\n"
-                    "import fullshard.mindspore.checkpoint, fullshard.checkpoint.formats.sharded_safetensors, fullshard.core.msrun\n"
+                    "import fullshard.mindspore.checkpoint, fullshard.checkpoint.formats.sharded_safetensors, fullshard.train.msrun\n"
                     "import fullshard.train.worker_mindspore, fullshard.train.report, fullshard.models.gpt_mindspore\n"
                     "import fullshard.bench, fullshard.bench.mindspore_runner, fullshard.cli\n"
                     "assert sys.modules['torch'] is None"], check=True, cwd=ROOT)

@@ -18,17 +18,11 @@ from fullshard.plan import (
     plan_gather,
     plan_reduce,
 )
+from fullshard.plan.formulas import carried_traffic, bytes_sent_per_rank, peak_state_bytes, per_rank_theory
 from fullshard.plan.exchange import (
-    HCCL,
-    MCCL,
-    Collectives,
-    backend_named,
-    carried_traffic,
-    carrier_dtype,
-    choose_collectives,
-    is_bit_cast,
+    HCCL, MCCL, Collectives, backend_named, carrier_dtype, choose_collectives, is_bit_cast,
 )
-from fullshard.plan.strategy import Strategy, bytes_sent_per_rank, lifecycle, peak_state_bytes, per_rank_theory
+from fullshard.plan.group import Strategy, lifecycle
 
 
 def _lone(layout):

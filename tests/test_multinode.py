@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from fullshard.checkpoint import latest_step
-from fullshard.core.procs import descendants, free_port
+from fullshard.train.procs import descendants, free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent

@@ -9,8 +9,7 @@ import sys
 
 import pytest
 import torch
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from hypothesis import given, settings, strategies as st
 
 from fullshard.plan import (
     ReduceFacts,
@@ -29,8 +28,11 @@ from fullshard.plan import (
     stores_padded_chunk,
     wire_dtype,
 )
-from fullshard.plan.exchange import DTYPE_BYTES, MAX_PAIRWISE_RANKS, backend_for_device, gradient_wire_bytes
-from fullshard.plan.strategy import Strategy, bytes_sent_per_rank, peak_state_bytes, per_rank_theory, traffic_bytes_per_step
+from fullshard.plan.formulas import (
+    DTYPE_BYTES, bytes_sent_per_rank, gradient_wire_bytes, peak_state_bytes, per_rank_theory, traffic_bytes_per_step,
+)
+from fullshard.plan.exchange import MAX_PAIRWISE_RANKS, backend_for_device
+from fullshard.plan.group import Strategy
 
 shapes = st.lists(st.integers(0, 9), min_size=1, max_size=4).map(tuple)
 

@@ -6,7 +6,7 @@ import threading
 
 import pytest
 
-from fullshard.core.agreement import Ranks, alone
+from fullshard.core.checks import Ranks, alone
 from fullshard.checkpoint.publish import CAUSE_BYTES, RanksFailed, run_together, share
 from tests.test_agreement import FakeGroup
 

@@ -13,7 +13,7 @@ def test_profiler_trace_names_fullshard_phases():
 
     code = (
         "import os, torch, torch.distributed as dist\n"
-        "os.environ.update(MASTER_ADDR='127.0.0.1', MASTER_PORT=str(__import__('fullshard.core.procs', "
+        "os.environ.update(MASTER_ADDR='127.0.0.1', MASTER_PORT=str(__import__('fullshard.train.procs', "
         "fromlist=['x']).free_port()), RANK='0', WORLD_SIZE='1')\n"
         "dist.init_process_group('gloo')\n"
         "from torch.distributed.device_mesh import init_device_mesh\n"

@@ -5,7 +5,9 @@ import sys
 
 import pytest
 
-from fullshard.plan.strategy import Strategy, per_rank_theory
+from fullshard.plan.group import Strategy
+
+from fullshard.plan.formulas import per_rank_theory
 from fullshard.train.config import TrainConfig
 from fullshard.train.report import PLOT_SKIPPED, format_table, write_report
 

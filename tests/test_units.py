@@ -2,12 +2,11 @@
 on plain Python objects (no framework)."""
 from types import SimpleNamespace
 
-from fullshard.core.module import FSDPModuleMethods, owners_of_params
-from fullshard.core.unit import UNIT_ATTR as STATE_ATTR
-from fullshard.core.unit import distinct_units, named_under
+from fullshard.core.checks import owners_of_params
+from fullshard.core.module import FSDPModuleMethods
+from fullshard.core.unit import UNIT_ATTR as STATE_ATTR, distinct_units, named_under
 from fullshard.plan.exchange import TORCH, Collectives, Exchange
-from fullshard.plan.group import GroupPlan, ParamFacts
-from fullshard.plan.layout import ShardLayout
+from fullshard.plan.group import GroupPlan, ParamFacts, ShardLayout
 
 
 class Node:

@@ -1,7 +1,7 @@
 """``fullshard bench`` / ``python -m fullshard.bench``: fullshard against the framework's own data parallelism.
 
-- ``--framework torch`` (default; ``runner.py``, ``memory.py``): fullshard vs
-  PyTorch FSDP2 vs DDP on gloo or NCCL;
+- ``--framework torch`` (default; ``runner.py``, with ``contenders.py`` and
+  ``meters.py``): fullshard vs PyTorch FSDP2 vs DDP on gloo or NCCL;
 - ``--framework mindspore`` (``mindspore_runner.py``): fullshard.mindspore
   ZeRO-3 and ZeRO-2 vs MindSpore's data parallel on msrun workers.
 

@@ -17,7 +17,7 @@ rounds: one step of each contender per round, the order rotated, all ranks
 released together; a round's time is the slowest rank's (gathered at the end),
 and ratios are medians of per-round ratios (``common.paired_ratios``). Each
 timed step also records the seconds this rank spent inside collectives
-(``fullshard.core.traffic.timed``; for data parallel, the reducer's call):
+(``fullshard.core.buffers.timed``; for data parallel, the reducer's call):
 mccl blocks, so that is the wait a schedule can hide or remove.
 """
 from __future__ import annotations
@@ -40,7 +40,7 @@ from fullshard.bench.common import (
     rounds_for, spread,
 )
 from fullshard.bench.report import format_markdown_mindspore, write_results
-from fullshard.core.procs import peak_rss_bytes, reset_peak_rss
+from fullshard.train.procs import peak_rss_bytes, reset_peak_rss
 from fullshard.models.config import MODEL_SIZES, GPTConfig
 
 os.environ.setdefault("GLOG_v", "3")
@@ -128,9 +128,9 @@ def _barrier() -> None:
 
 
 def _theory(trainer: Trainer, world: int, counts: dict) -> dict:
-    from fullshard.core.accounting import report_theory
+    from fullshard.plan.formulas import report_theory
     from fullshard.mindspore import memory_report
-    from fullshard.plan.strategy import Strategy
+    from fullshard.plan.group import Strategy
 
     if trainer.sharded:
         return memory_report(trainer.model, trainer.optimizer)["theory"]
@@ -141,7 +141,7 @@ def _theory(trainer: Trainer, world: int, counts: dict) -> dict:
 
 
 def measure(label: str, strategy: str, options: dict, rank: int, world: int, counts: dict) -> tuple[Trainer, dict]:
-    from fullshard.core.traffic import collective_calls, reset_traffic, traffic_bytes
+    from fullshard.core.buffers import collective_calls, reset_traffic, traffic_bytes
     from fullshard.mindspore import comm_bytes, reset_peak_comm_bytes
 
     cfg = MODELS[options["model"]]
@@ -177,8 +177,8 @@ def worker(options_path: Path) -> None:
     import mindspore as ms
     from mindspore.communication import get_group_size, get_rank, init
 
-    from fullshard.core.msrun import register_worker
-    from fullshard.core.traffic import collective_seconds, reset_traffic
+    from fullshard.train.msrun import register_worker
+    from fullshard.core.buffers import collective_seconds, reset_traffic
     from fullshard.mindspore.cpu import configure_cpu_worker
     from fullshard.models.gpt_mindspore import GPT, count_units
 
@@ -224,7 +224,7 @@ def worker(options_path: Path) -> None:
 
 def _say(rank: int, text: str) -> None:
     """Rank 0's lines, which the launcher prints as they come."""
-    from fullshard.core.msrun import run_dir
+    from fullshard.train.msrun import run_dir
 
     if rank == 0:
         with open(run_dir() / FOLLOWED, "a") as handle:
@@ -233,7 +233,7 @@ def _say(rank: int, text: str) -> None:
 
 def _gather_json(value: dict, key: str, rank: int, world: int) -> list[dict]:
     """Every rank's ``value``, through the run directory (MindSpore has no object collectives on CPU)."""
-    from fullshard.core.msrun import run_dir
+    from fullshard.train.msrun import run_dir
 
     name = key.replace(":", "-")
     (run_dir() / f"memory-{name}-{rank}.json").write_text(json.dumps(value))
@@ -250,15 +250,15 @@ METHODS = {
     "model_state": (
         "bytes of this rank's parameters, of the gradients value_and_grad returned (dp: after the reducer; ZeRO-1: "
         "the unsharded gradients it held until the end of backward, fullshard's meter) and of "
-        "the optimizer's state per parameter (adam_m, adam_v), next to fullshard.plan.strategy.per_rank_theory "
+        "the optimizer's state per parameter (adam_m, adam_v), next to fullshard.plan.formulas.per_rank_theory "
         "(no_shard's formula for dp)."),
     "bytes": (
-        "fullshard: what its collectives really carried in the measured step (fullshard.core.traffic), next to "
+        "fullshard: what its collectives really carried in the measured step (fullshard.core.buffers), next to "
         "the strategy's theoretical payload and to what the chosen collectives carry for it (the CPU emulation: "
         "reduce-scatter = all-reduce of the whole buffer, then this rank's chunk). dp: the bytes of the gradients "
-        "the reducer all-reduces. Sent per rank: fullshard.plan.strategy.bytes_sent_per_rank of each."),
+        "the reducer all-reduces. Sent per rank: fullshard.plan.formulas.bytes_sent_per_rank of each."),
     "collectives": (
-        "collectives per step: the calls fullshard's collectives made in the measured step (fullshard.core.traffic; "
+        "collectives per step: the calls fullshard's collectives made in the measured step (fullshard.core.buffers; "
         "dp: one all-reduce per gradient). Wait: the median over timed steps of the wall seconds rank 0 spent "
         "inside them (fullshard: around each blocking mccl call; dp: the reducer's call, synchronized)."),
     "memory": (
@@ -273,7 +273,7 @@ def summarize(options: dict, counts: dict, world: int, rounds: int, labels: list
     import mindspore as ms
 
     import fullshard
-    from fullshard.plan.strategy import bytes_sent_per_rank
+    from fullshard.plan.formulas import bytes_sent_per_rank
 
     libraries = {}
     for index, label in enumerate(labels):
@@ -321,7 +321,7 @@ def summarize(options: dict, counts: dict, world: int, rounds: int, labels: list
 def main(argv: Optional[list[str]] = None) -> int:
     import argparse
 
-    from fullshard.core.msrun import WorkerFailed, launch
+    from fullshard.train.msrun import WorkerFailed, launch
 
     argv = sys.argv[1:] if argv is None else argv
     parser = argparse.ArgumentParser(prog="fullshard bench --framework mindspore", description=__doc__.split("\n")[0])

@@ -14,7 +14,7 @@ Measured the same way for every library:
 * bytes moved: the ``torch.distributed`` collectives are wrapped before any
   library is imported and every call counts its full buffer (all-gather
   output, reduce-scatter input, all-reduce tensor), the convention of
-  ``fullshard.plan.strategy.traffic_bytes_per_step``;
+  ``fullshard.plan.formulas.traffic_bytes_per_step``;
 * memory, in untimed steps per library before the rounds (warm-up, then a
   measured step; they also warm the trainer up for timing): on CUDA
   ``torch.cuda.max_memory_allocated``; on CPU the live bytes replayed from the
@@ -32,243 +32,36 @@ Results go to ``<out-dir>/<date>-<host>.json`` and ``.md``.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import datetime
 import gc
 import os
 import platform
 import sys
 import time
-from collections import Counter
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
-from typing import Callable, Iterator, Optional
+from typing import Optional
 
 import torch
 import torch.distributed as dist
-import torch.nn as nn
-import torch.nn.functional as F
 
 from fullshard.bench.common import (
     DEFAULT_BUDGET_S, KINDS, MAX_ROUNDS, MIN_ROUNDS, MODELS, add_common_options, check_common_options, paired_ratios,
     rounds_for, spread,
 )
-from fullshard.bench.memory import CommSampler, CpuAllocations, CudaAllocations, fsdp2_unsharded, storage_bytes, training_state
+from fullshard.bench.contenders import (
+    TIMED_BATCHES, WARMUP_STEPS, Configuration, Contender, Run, Trainer, build_trainer, configurations, make_batch,
+)
+from fullshard.bench.meters import (
+    CollectiveMeter, CommSampler, CpuAllocations, CudaAllocations, fsdp2_unsharded, storage_bytes, training_state,
+)
 from fullshard.bench.report import POINT_TO_POINT, format_markdown, write_results
-from fullshard.core.procs import free_port, peak_rss_bytes, reset_peak_rss
+from fullshard.train.procs import free_port, peak_rss_bytes, reset_peak_rss
 from fullshard.models.gpt import GPT, GPTConfig
-from fullshard.plan.exchange import DEFAULT_BACKENDS, EXCHANGE_ENV, gradient_wire_bytes
-from fullshard.plan.strategy import Strategy, bytes_sent_per_rank, per_rank_theory
+from fullshard.plan.formulas import gradient_wire_bytes, bytes_sent_per_rank, per_rank_theory
+from fullshard.plan.exchange import DEFAULT_BACKENDS, EXCHANGE_ENV
+from fullshard.plan.group import Strategy
 from fullshard.train.models import count_units
-# Steps before the measured memory step: lazy initialization and optimizer
-# state; DDP also rebuilds its gradient buckets at the start of its second.
-WARMUP_STEPS = {"fullshard": 1, "fsdp2": 1, "ddp": 2}
-TIMED_BATCHES = max(WARMUP_STEPS.values()) + 1  # batch index of the first timed round
-
-
-# ---------------------------------------------------------------------- configurations
-@dataclass(frozen=True)
-class Contender:
-    label: str  # unique within a configuration
-    library: str  # "fullshard" | "fsdp2" | "ddp"
-    options: tuple[tuple[str, object], ...]  # extra fully_shard kwargs
-    theory: Strategy  # whose traffic formula applies
-
-    @property
-    def setup(self) -> str:
-        if self.library == "ddp":
-            return "DistributedDataParallel"
-        module = "fullshard" if self.library == "fullshard" else "torch.distributed.fsdp"
-        args = ", ".join(f"{k}={v!r}" for k, v in self.options)
-        return f"{module}.fully_shard({args})"
-
-
-@dataclass(frozen=True)
-class Configuration:
-    name: str
-    precision: str  # "fp32" | "bf16"
-    contenders: tuple[Contender, ...]
-
-
-def configurations() -> list[Configuration]:
-    zero3, zero2 = Strategy.OPTIM_GRADS_PARAMS, Strategy.OPTIM_GRADS
-    ddp = Contender("ddp", "ddp", (), Strategy.NO_SHARD)
-    sharding = {
-        "zero3": (
-            Contender("fullshard", "fullshard", (), zero3),
-            # FSDP2's default: reshard after forward, except the root (gathered again at once).
-            Contender("fsdp2", "fsdp2", (), zero3),
-            ddp,
-        ),
-        # fullshard reaches ZeRO-2 two ways: FSDP2's flag (gather once, reshard
-        # after backward) or its own strategy (keep the unsharded parameters
-        # between steps); both move the same bytes.
-        "zero2": (
-            Contender("fullshard", "fullshard", (("reshard_after_forward", False),), zero2),
-            Contender("fullshard:optim_grads", "fullshard", (("strategy", "optim_grads"),), zero2),
-            Contender("fsdp2", "fsdp2", (("reshard_after_forward", False),), zero2),
-            ddp,
-        ),
-    }
-    return [
-        Configuration(f"{name}-{precision}", precision, contenders)
-        for name, contenders in sharding.items()
-        for precision in ("fp32", "bf16")
-    ]
-
-
-# ---------------------------------------------------------------------- counting collectives
-# Name -> (kind, the argument whose full size is the payload). The deprecated
-# names forward to the new ones inside distributed_c10d, not through these
-# module attributes, so every call is counted exactly once.
-_COLLECTIVES = {
-    "all_gather_single": ("all_gather", "output_tensor"),
-    "all_gather_into_tensor": ("all_gather", "output_tensor"),
-    "_all_gather_base": ("all_gather", "output_tensor"),
-    "reduce_scatter_single": ("reduce_scatter", "input"),
-    "reduce_scatter_tensor": ("reduce_scatter", "input"),
-    "_reduce_scatter_base": ("reduce_scatter", "input"),
-    "all_reduce": ("all_reduce", "tensor"),
-    # Point-to-point: a send counts the bytes it sends; receives are only watched (memory phase).
-    "isend": (POINT_TO_POINT, "tensor"),
-    "send": (POINT_TO_POINT, "tensor"),
-    "irecv": (None, "tensor"),
-    "recv": (None, "tensor"),
-}
-
-
-class CollectiveMeter:
-    """Payload bytes of every ``torch.distributed`` collective (and bytes sent point to point) while counting.
-
-    Install it before any library runs: fullshard, FSDP2 and DDP's comm hook
-    all look these functions up in ``torch.distributed`` at each call.
-    """
-
-    def __init__(self) -> None:
-        self._counts: Optional[Counter] = None  # the step being counted, if any
-        # Called with every collective's tensors (the memory phase's trackers).
-        self.watchers: list[Callable[[list[torch.Tensor]], None]] = []
-
-    def install(self) -> None:
-        import inspect
-
-        for name, (kind, arg) in _COLLECTIVES.items():
-            original = getattr(dist, name, None)
-            if original is not None:
-                position = list(inspect.signature(original).parameters).index(arg)
-                setattr(dist, name, self._wrap(original, kind, arg, position))
-
-    def _wrap(self, original: Callable, kind: str, arg: str, position: int) -> Callable:
-        def counted(*args, **kwargs):
-            result = original(*args, **kwargs)
-            if self._counts is not None and kind is not None:
-                payload = args[position] if len(args) > position else kwargs[arg]
-                self._counts[kind] += payload.numel() * payload.element_size()
-            if self.watchers:
-                tensors = [t for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor)]
-                for watch in self.watchers:
-                    watch(tensors)
-            return result
-
-        counted.__wrapped__ = original
-        return counted
-
-    @contextlib.contextmanager
-    def counting(self) -> Iterator[Counter]:
-        """Count the bytes of the collectives issued inside the block, by kind, into the yielded Counter."""
-        self._counts = counts = Counter()
-        try:
-            yield counts
-        finally:
-            self._counts = None
-
-
-# ---------------------------------------------------------------------- building the contenders
-@dataclass
-class Run:
-    """What every contender of a rank shares."""
-
-    model: GPTConfig
-    device: torch.device
-    mesh: object
-    rank: int
-    world: int
-    batch_size: int
-    seed: int
-    meter: CollectiveMeter
-
-
-class Trainer:
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, autocast: Optional[torch.dtype], device):
-        self.model = model
-        self.optimizer = optimizer
-        self.autocast = autocast
-        self.device = device
-
-    def step(self, batch: tuple[torch.Tensor, torch.Tensor], probe: Optional[Callable[[], None]] = None) -> torch.Tensor:
-        """Forward, backward, optimizer step; ``probe`` runs while the gradients still exist."""
-        tokens, targets = batch
-        autocast = torch.autocast(self.device.type, dtype=self.autocast) if self.autocast else contextlib.nullcontext()
-        with autocast:
-            logits = self.model(tokens)
-        # The loss outside the model: DDP only syncs what goes through its forward.
-        loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
-        loss.backward()
-        self.optimizer.step()
-        if probe is not None:
-            probe()
-        self.optimizer.zero_grad(set_to_none=True)
-        return loss.detach()
-
-
-def build_trainer(contender: Contender, config: Configuration, run: Run) -> Trainer:
-    torch.manual_seed(run.seed)  # the same initial weights for every library
-    model = GPT(run.model).to(run.device)
-    bf16 = config.precision == "bf16"
-    autocast = None
-    if contender.library == "ddp":
-        model = _ddp(model, run)
-        # DDP keeps fp32 parameters; bf16 compute comes from autocast, and its
-        # gradients (fp32, like the parameters) are all-reduced in fp32: the
-        # closest match to bf16 compute + fp32 reduction.
-        autocast = torch.bfloat16 if bf16 else None
-    else:
-        if contender.library == "fullshard":
-            from fullshard import MixedPrecisionPolicy, fully_shard
-        else:
-            from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else MixedPrecisionPolicy()
-        options = dict(contender.options)
-        for block in model.layers:
-            fully_shard(block, mesh=run.mesh, mp_policy=policy, **options)
-        fully_shard(model, mesh=run.mesh, mp_policy=policy, **options)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.1)
-    return Trainer(model, optimizer, autocast, run.device)
-
-
-def _ddp(model: nn.Module, run: Run) -> nn.Module:
-    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
-    from torch.nn.parallel import DistributedDataParallel
-
-    # Every rank built the same seeded weights, so the start-up broadcast is
-    # skipped: gloo may free its buffer on a thread the CPU memory replay
-    # does not see (CpuAllocations).
-    ddp = DistributedDataParallel(
-        model, device_ids=[run.device.index] if run.device.type == "cuda" else None, init_sync=False
-    )
-    # DDP's built-in all-reduce is issued from C++, invisible to the meter; torch's
-    # Python hook does the same (divide by the world size, all-reduce the bucket)
-    # through torch.distributed.all_reduce.
-    ddp.register_comm_hook(None, allreduce_hook)
-    return ddp
-
-
-def make_batch(run: Run, step: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """This rank's batch of a step: the same for every library."""
-    generator = torch.Generator().manual_seed(run.seed * 1_000_003 + step * run.world + run.rank)
-    tokens = torch.randint(0, run.model.vocab_size, (run.batch_size, run.model.seq_len + 1), generator=generator)
-    tokens = tokens.to(run.device)
-    return tokens[:, :-1], tokens[:, 1:]
 
 
 def _synchronize(device: torch.device) -> None:
@@ -289,10 +82,10 @@ def _comm_sampler(contender: Contender, trainer: Trainer) -> Optional[CommSample
 
 def _comm_peaks(sampler: Optional[CommSampler], comm_base: int, transient_base: int) -> tuple[int, int, str]:
     """Peak communication bytes of the measured step (all, staging only) and how they were measured."""
-    from fullshard.torch import buffers
+    from fullshard.torch import collectives
 
     if sampler is None:
-        return (buffers.comm_bytes()["peak"] - comm_base, buffers.comm_bytes()["transient_peak"] - transient_base,
+        return (collectives.comm_bytes()["peak"] - comm_base, collectives.comm_bytes()["transient_peak"] - transient_base,
                 "fullshard.core.buffers.comm_bytes() peak (its own meter)")
     sampler.close()
     return sampler.peak, sampler.transient_peak, "sampled estimate (lower bound)"
@@ -303,13 +96,14 @@ def measure_memory(contender: Contender, config: Configuration, run: Run) -> tup
 
     These steps are also the warm-up of the timed rounds, which reuse the trainer.
     """
-    from fullshard.torch import buffers
+    from fullshard.torch import collectives
+    from fullshard.torch.accounting import presence_numel
 
     gc.collect()
     rss_method = reset_peak_rss()
     # fullshard's meter is process-wide: leave out what the copies built before this one hold.
-    comm_base = buffers.comm_bytes()["live"]
-    transient_base = buffers.comm_bytes()["transient_live"]
+    comm_base = collectives.comm_bytes()["live"]
+    transient_base = collectives.comm_bytes()["transient_live"]
     allocations = CpuAllocations() if run.device.type == "cpu" else CudaAllocations(run.device)
     state: dict[str, int] = {}
 
@@ -326,7 +120,7 @@ def measure_memory(contender: Contender, config: Configuration, run: Run) -> tup
         for step in range(1, warmup):
             trainer.step(make_batch(run, step))
         sampler = _comm_sampler(contender, trainer)
-        buffers.reset_peak_comm_bytes()
+        collectives.reset_peak_comm_bytes()
         if sampler is not None:
             run.meter.watchers.append(sampler.see)
         batch = make_batch(run, warmup)
@@ -349,6 +143,8 @@ def measure_memory(contender: Contender, config: Configuration, run: Run) -> tup
         "rss_method": rss_method,
         "loss_step0": first_loss,
         "measured_step_s": elapsed,
+        # fullshard's reductions also carry which members each rank had gradients for
+        "presence_numel": presence_numel(trainer.model) if contender.library == "fullshard" else 0,
     }
 
 
@@ -362,7 +158,7 @@ def fit_rounds(step_seconds: list[float], budget_s: float, run: Run) -> int:
 
 def time_rounds(trainers: dict[str, Trainer], run: Run, rounds: int) -> dict[str, dict]:
     """Interleave the libraries step by step; return each one's times, bytes and losses on this rank."""
-    from fullshard.core.traffic import reset_traffic, traffic as fullshard_traffic
+    from fullshard.core.buffers import reset_traffic, traffic as fullshard_traffic
 
     labels = list(trainers)
     results = {label: {"times": [], "bytes": [], "self_reported": [], "losses": []} for label in labels}
@@ -457,7 +253,8 @@ def model_counts(cfg: GPTConfig) -> dict[str, int]:
     return count_units(GPT(cfg))
 
 
-def theory_bytes(contender: Contender, precision: str, run: Run, counts: dict[str, int]) -> dict[str, float]:
+def theory_bytes(contender: Contender, precision: str, run: Run, counts: dict[str, int], presence: int = 0
+                 ) -> dict[str, float]:
     bf16 = precision == "bf16" and contender.library != "ddp"
     reduce = 4
     if contender.library == "fullshard":
@@ -469,7 +266,7 @@ def theory_bytes(contender: Contender, precision: str, run: Run, counts: dict[st
         )
     theory = per_rank_theory(
         contender.theory, run.world, counts["num_params"], counts["largest_unit"], counts["root_params"],
-        compute_bytes=2 if bf16 else 4, reduce_bytes=reduce,
+        compute_bytes=2 if bf16 else 4, reduce_bytes=reduce, presence_numel=presence,
     )
     return theory["traffic"]
 
@@ -480,7 +277,7 @@ def _summarize_contender(contender: Contender, config: Configuration, ranks: lis
     round_times = [max(times) for times in zip(*(t["times"] for t in timings))]
     steps = timings[0]["bytes"]
     moved = {kind: steps[0].get(kind, 0) for kind in (*KINDS, POINT_TO_POINT)}
-    theory = theory_bytes(contender, config.precision, run, counts)
+    theory = theory_bytes(contender, config.precision, run, counts, ranks[0]["memory"][contender.label]["presence_numel"])
     entry = {
         "library": contender.library,
         "setup": contender.setup,
@@ -511,7 +308,7 @@ def _paired_ratios(libraries: dict[str, dict], config: Configuration) -> dict[st
 
 def summarize(ranks: list[list[dict]], run: Run, options: dict) -> dict:
     import fullshard
-    from fullshard.torch.buffers import check_ownership_enabled
+    from fullshard.torch.collectives import check_ownership_enabled
 
     counts = model_counts(run.model)
     configs = []
@@ -560,9 +357,9 @@ METHODS = {
         "torch.distributed collectives and point-to-point sends wrapped before any library runs; each collective "
         "counts its full buffer (all-gather output, reduce-scatter input, all-reduce tensor), each send its "
         "tensor. DDP's C++ all-reduce is replaced by torch's Python allreduce_hook so that it goes through "
-        "torch.distributed.all_reduce. Theory: fullshard.plan.strategy.traffic_bytes_per_step (ZeRO-2 rows use "
+        "torch.distributed.all_reduce. Theory: fullshard.plan.formulas.traffic_bytes_per_step (ZeRO-2 rows use "
         "the optim_grads formula). Sent per rank: point-to-point bytes as counted plus, for collectives, what a "
-        "bandwidth-optimal algorithm sends (fullshard.plan.strategy.bytes_sent_per_rank: (N-1)/N of an "
+        "bandwidth-optimal algorithm sends (fullshard.plan.formulas.bytes_sent_per_rank: (N-1)/N of an "
         "all-gather or reduce-scatter, 2(N-1)/N of an all-reduce), next to the same function of the theory. "
         "fullshard on gloo exchanges by point-to-point sends (fullshard.plan.exchange), so its bytes show "
         "there; its own logical count by collective is in fullshard_self_reported_bytes."

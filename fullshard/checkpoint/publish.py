@@ -25,10 +25,10 @@ rank reports after each part, failed or not (:func:`share`), and all of them
 raise the same :class:`RanksFailed` naming the failed ranks and their
 errors; the group stays in step, so a caller that catches the error can go
 on using it. The ranks and their float32 sums are
-:class:`fullshard.core.agreement.Ranks` (the same on every backend:
+:class:`fullshard.core.checks.Ranks` (the same on every backend:
 MindSpore's CPU one sums float32 only). A first sum carries one flag per
 rank; only when one is set does a second carry every failed rank's message
-(:func:`fullshard.core.agreement.gather_texts`).
+(:func:`fullshard.core.checks.gather_texts`).
 """
 from __future__ import annotations
 
@@ -42,7 +42,7 @@ from typing import Callable, Optional, Union
 from fullshard.checkpoint import manifest
 from fullshard.checkpoint.files import fsync_dir
 from fullshard.checkpoint.untrusted import CheckpointError
-from fullshard.core.agreement import Ranks, gather_texts
+from fullshard.core.checks import Ranks, gather_texts
 
 _STEP = re.compile(r"^step_(\d+)(\.partial|\.replaced)?$")
 CAUSE_BYTES = 480  # of each failed rank's message that travels to the others; a longer one is cut short

@@ -2,7 +2,7 @@
 
 Framework-free: each runtime supplies only how to read and resize a tensor's
 storage (:class:`StorageOps`) and allocates through its own ``buffers`` module
-(``fullshard.torch.buffers``, ``fullshard.mindspore.buffers``), the one place
+(``fullshard.torch.collectives``, ``fullshard.mindspore.buffers``), the one place
 per runtime that allocates, reclaims and writes communication storage.
 
 
@@ -33,13 +33,23 @@ Owned bytes are metered by kind (:class:`Kind`): the unsharded parameters
 (working copies any FSDP must hold), gradients kept across backward passes
 (main gradients, accumulators, partial sums), and everything else, the
 transient communication buffers.
+
+The traffic meter (:func:`count`, :func:`traffic_bytes`) is what every collective of this process carried,
+by kind: bytes, calls and the seconds spent in them. Each collective counts its full buffer (all-gather
+output, reduce-scatter input, all-reduce buffer) and one call; point-to-point sends are counted by the
+benchmark's own meter. A group of one rank moves nothing and counts nothing. ``timed`` adds the wall seconds
+a blocking collective took (MindSpore's block; torch's run asynchronously, and the benchmark times their
+waits itself).
 """
 from __future__ import annotations
 
+import contextlib
 import enum
 import os
+import time
 import weakref
-from typing import Any, Iterable, Optional, Protocol
+from collections import Counter
+from typing import Any, Iterable, Iterator, Optional, Protocol
 
 
 class OwnershipError(RuntimeError):
@@ -364,3 +374,46 @@ def release_all(buffers: list[Optional[Owned | Borrowed]], idle: bool = True) ->
         elif isinstance(buffer, Borrowed):
             buffer.release()
     buffers.clear()
+
+
+# ---------------------------------------------------------------------------------------------- traffic
+KINDS = ("all_gather", "reduce_scatter", "all_reduce")
+
+traffic: Counter = Counter()  # bytes
+calls: Counter = Counter()
+seconds: Counter = Counter()
+
+
+def count(kind: str, nbytes: int) -> None:
+    """One collective of ``kind`` carried ``nbytes``."""
+    traffic[kind] += nbytes
+    calls[kind] += 1
+
+
+@contextlib.contextmanager
+def timed(kind: str) -> Iterator[None]:
+    """Add the wall time of the block to ``kind``'s seconds (the time this rank waited in the collective)."""
+    start = time.perf_counter()
+    try:
+        yield
+    finally:
+        seconds[kind] += time.perf_counter() - start
+
+
+def reset_traffic() -> None:
+    """Start counting afresh (e.g. at the start of a step)."""
+    traffic.clear()
+    calls.clear()
+    seconds.clear()
+
+
+def traffic_bytes() -> dict[str, int]:
+    return {kind: traffic.get(kind, 0) for kind in KINDS}
+
+
+def collective_calls() -> dict[str, int]:
+    return {kind: calls.get(kind, 0) for kind in KINDS}
+
+
+def collective_seconds() -> dict[str, float]:
+    return {kind: seconds.get(kind, 0.0) for kind in KINDS}

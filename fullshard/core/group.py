@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import enum
 
-from fullshard.plan.strategy import AfterBackward
+from fullshard.plan.group import AfterBackward
 
 
 class GatherState(enum.Enum):

@@ -27,7 +27,7 @@ import threading
 from typing import Any, Callable, Iterable, Optional
 
 from fullshard.core.group import GatherState, Group
-from fullshard.plan.strategy import AfterBackward, Lifecycle, lifecycle
+from fullshard.plan.group import AfterBackward, Lifecycle, lifecycle
 
 UNIT_ATTR = "_fullshard_unit"  # where a module or cell keeps its unit
 
@@ -323,7 +323,7 @@ class Root:
         raise NotImplementedError
 
     def check_ranks_agree(self, units: list[Unit]) -> None:
-        """Fail on every rank if ranks set up ``units`` differently (``fullshard.core.agreement``)."""
+        """Fail on every rank if ranks set up ``units`` differently (``fullshard.core.checks``)."""
         raise NotImplementedError
 
     def _before_gathers(self) -> None:
@@ -476,3 +476,14 @@ def named_under(tops: list[Any], named_modules: Callable[[Any], Named]) -> Named
         prefix = f"[{index}]." if len(tops) > 1 else ""
         for name, sub in named_modules(top):
             yield (f"{prefix}{name}" if name else prefix.rstrip(".")), sub
+
+
+def become_fsdp_module(module: Any, mixin: type, classes: dict[type, type], unit: Unit,
+                       set_attr: Callable = setattr) -> None:
+    """Give ``module`` its unit and the methods an FSDP module has: a dynamic subclass
+    ``FSDP<Class>(mixin, Class)``, made once per class."""
+    set_attr(module, UNIT_ATTR, unit)
+    cls = type(module)
+    if cls not in classes:
+        classes[cls] = type(f"FSDP{cls.__name__}", (mixin, cls), {})
+    module.__class__ = classes[cls]

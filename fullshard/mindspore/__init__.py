@@ -2,14 +2,15 @@
 
 Imports no torch. See ``docs/mindspore.md``.
 """
-from fullshard.core.traffic import reset_traffic, traffic_bytes
+from fullshard.core.buffers import reset_traffic, traffic_bytes
 from fullshard.mindspore.accounting import memory_report
 from fullshard.mindspore.api import fully_shard
-from fullshard.mindspore.buffers import OwnershipError, comm_bytes, reset_peak_comm_bytes, set_check_ownership
+from fullshard.mindspore.collectives import (
+    DeviceMesh, OwnershipError, Shard, comm_bytes, init_device_mesh, reset_peak_comm_bytes, set_check_ownership,
+)
 from fullshard.mindspore.checkpoint import export_checkpoint, full_state_dict, load_checkpoint, save_checkpoint
 from fullshard.mindspore.clip import clip_grad_norm
-from fullshard.mindspore.mesh import DeviceMesh, Shard, init_device_mesh
-from fullshard.mindspore.module import FSDPModule, HSDPModule, UnshardHandle
+from fullshard.mindspore.unit import FSDPModule, HSDPModule, UnshardHandle
 from fullshard.mindspore.policies import MixedPrecisionPolicy, OffloadPolicy
 
 __all__ = [

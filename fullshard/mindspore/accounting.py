@@ -8,7 +8,7 @@ accumulators, HSDP partial sums), and the storage fullshard owns now and at
 peak, in all (unsharded parameters and main gradients included) and for
 communication alone (``transient_peak``).
 Traffic is what every collective fullshard issued since
-:func:`fullshard.core.traffic.reset_traffic` really carried, next to the
+:func:`fullshard.core.buffers.reset_traffic` really carried, next to the
 strategy's theoretical payload and to what the chosen collectives (CPU
 emulations included) carry for it.
 """
@@ -18,12 +18,11 @@ from typing import Any, Optional
 
 from mindspore import nn
 
-from fullshard.core.traffic import reset_traffic, traffic_bytes
+from fullshard.core.buffers import reset_traffic, traffic_bytes
 from fullshard.core.unit import distinct_units
-from fullshard.mindspore.buffers import comm_bytes
-from fullshard.mindspore.policies import dtype_bytes
-from fullshard.core.accounting import report_theory
-from fullshard.plan.strategy import Strategy
+from fullshard.mindspore.collectives import comm_bytes, dtype_bytes
+from fullshard.plan.formulas import report_theory
+from fullshard.plan.group import Strategy
 
 
 def _states(cell: nn.Cell) -> list:

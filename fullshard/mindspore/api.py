@@ -8,21 +8,46 @@ from typing import Any, Callable, Iterable, Optional, Union
 
 from mindspore import Parameter, nn
 
-from fullshard.core.module import (
-    become_fsdp_module, check_modules, check_not_managed, check_reshard_after_forward, owners_of_params,
-    parse_strategy, shard_dim,
+from fullshard.core.checks import (
+    check_modules, check_not_managed, check_reshard_after_forward, owners_of_params, parse_strategy, shard_dim,
 )
+from fullshard.core.unit import become_fsdp_module
 from fullshard.mindspore.autograd import in_pynative_mode
-from fullshard.mindspore.collectives import Comm
+from fullshard.mindspore.collectives import FLOAT_DTYPES, Comm, DeviceMesh, Shard, default_mesh
 from fullshard.mindspore.group import ParamGroup
-from fullshard.mindspore.mesh import DeviceMesh, Shard, default_mesh
-from fullshard.mindspore.module import FSDP_CLASSES, FSDPModule
+from fullshard.mindspore.unit import FSDP_CLASSES, FSDPModule, ShardedUnit
 from fullshard.mindspore.param import MANAGED_ATTR, ShardedParam
-from fullshard.mindspore.policies import check_mp_policy, check_offload_policy
-from fullshard.mindspore.unit import ShardedUnit
+from fullshard.mindspore.policies import MixedPrecisionPolicy, OffloadPolicy
 from fullshard.plan import DEFAULT_FUSE_BELOW_NUMEL, Exchange, ShardLayout
 from fullshard.plan.exchange import Collectives, choose_collectives
-from fullshard.plan.strategy import AfterBackward, Strategy, lifecycle
+from fullshard.plan.group import AfterBackward, Strategy, lifecycle
+
+def check_mp_policy(policy: Any, cell_name: str) -> MixedPrecisionPolicy:
+    if policy is None:
+        return MixedPrecisionPolicy()
+    if not isinstance(policy, MixedPrecisionPolicy):
+        raise TypeError(
+            f"fully_shard({cell_name}): mp_policy must be a fullshard.mindspore.MixedPrecisionPolicy, "
+            f"got {type(policy).__name__}"
+        )
+    for field in ("param_dtype", "reduce_dtype", "output_dtype"):
+        dtype = getattr(policy, field)
+        if dtype is not None and dtype not in FLOAT_DTYPES:
+            raise ValueError(
+                f"fully_shard({cell_name}): MixedPrecisionPolicy.{field}={dtype!r} is not a floating-point "
+                "MindSpore dtype; use e.g. ms.float16 or ms.float32, or None"
+            )
+    return policy
+
+
+def check_offload_policy(policy: Any, cell_name: str) -> OffloadPolicy:
+    if policy is None or type(policy) is OffloadPolicy:
+        return OffloadPolicy()
+    raise ValueError(
+        f"fully_shard({cell_name}): offload_policy={policy!r} is not supported by fullshard.mindspore, which keeps "
+        "shards on the device they compute on; pass None"
+    )
+
 
 def _owners_of_params(cells: list[nn.Cell]) -> tuple[dict[int, list[tuple[nn.Cell, str, str]]], dict[int, Parameter]]:
     """Every (cell, attribute name, path) holding each parameter, skipping cells already sharded."""
@@ -95,7 +120,7 @@ def fully_shard(
     * ``reshard_after_forward``: free the unsharded parameters after forward and gather them again
       for backward; None: the strategy's choice (ZeRO-3: yes, except for the root).
     * ``strategy``: ``"no_shard"``, ``"optim"``, ``"optim_grads"`` or ``"optim_grads_params"`` (the
-      default), with ``fullshard.plan.strategy``'s meaning.
+      default), with ``fullshard.plan.group``'s meaning.
     * ``replicate_params`` stay whole on every rank, their gradients all-reduced;
       ``ignored_params`` are left alone.
     * ``comm_fusion`` (default True): parameters below ``fullshard.plan.DEFAULT_FUSE_BELOW_NUMEL`` elements

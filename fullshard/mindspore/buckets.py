@@ -13,17 +13,13 @@ from typing import Any, Optional, Sequence
 
 from mindspore import Tensor, mint, ops
 
-from fullshard.mindspore import buffers
 from fullshard.mindspore import collectives
-from fullshard.mindspore.buffers import Borrowed, Kind, Owned
-from fullshard.mindspore.collectives import Comm
+from fullshard.mindspore.collectives import Borrowed, Kind, Owned, Comm, dtype_name, dtype_named
 from fullshard.mindspore.param import ShardedParam
-from fullshard.mindspore.policies import dtype_name, dtype_named
 from fullshard.plan import (
     MINDSPORE_RUNTIME, BucketLayout, Exchange, Ownership, ReduceFacts, Unsharded, plan_buckets, plan_reduce,
 )
-from fullshard.plan.group import GroupPlan
-from fullshard.plan.layout import fused_bucket
+from fullshard.plan.group import GroupPlan, fused_bucket
 from fullshard.plan.exchange import Backend, carrier_dtype, is_bit_cast
 
 
@@ -74,7 +70,7 @@ def _to_carrier(source: Tensor, carrier: Any, bit_cast: bool, transient: list, l
     if bit_cast:
         return source.view(carrier)  # the same bytes (bf16 as fp16 bits)
     if source.dtype != carrier:
-        transient.append(buffers.adopt(source.astype(carrier), f"widened all-gather input of {label}", (source,)))
+        transient.append(collectives.adopt(source.astype(carrier), f"widened all-gather input of {label}", (source,)))
         return transient[-1].tensor
     return source
 
@@ -83,7 +79,7 @@ def _from_carrier(flat: Tensor, dtype: Any, bit_cast: bool, transient: list, lab
     if bit_cast:
         return flat.view(dtype)
     if flat.dtype != dtype:
-        transient.append(buffers.adopt(flat, f"widened all-gather output of {label}", (sent,)))
+        transient.append(collectives.adopt(flat, f"widened all-gather output of {label}", (sent,)))
         return flat.astype(dtype)
     return flat
 
@@ -102,37 +98,37 @@ def gather_bucket(plan: GroupPlan, index: int, comm: Comm) -> list[Owned]:
     carrier = dtype_named(carrier)
     whole = gather.unsharded is Unsharded.OUTPUT
     shards = [p.sharded for p in members]
-    lent = [buffers.borrow(p.sharded, f"sharded parameter '{p.fqn}'") for p in members]
+    lent = [collectives.borrow(p.sharded, f"sharded parameter '{p.fqn}'") for p in members]
     transient: list[Optional[Owned | Borrowed]] = []
     try:
         if gather.input is Ownership.BORROWED:
             shard = members[0].sharded
-            transient.append(buffers.borrow(shard if whole else shard.reshape(-1), f"all-gather input of {label}"))
+            transient.append(collectives.borrow(shard if whole else shard.reshape(-1), f"all-gather input of {label}"))
         elif whole:  # lone, unpadded: only a cast, which allocates
-            transient.append(buffers.adopt(members[0].sharded.astype(dtype), f"all-gather input of {label}", shards))
+            transient.append(collectives.adopt(members[0].sharded.astype(dtype), f"all-gather input of {label}", shards))
         else:
-            transient.append(buffers.adopt(pack_shards(bucket, members, dtype), f"all-gather input of {label}", shards))
+            transient.append(collectives.adopt(pack_shards(bucket, members, dtype), f"all-gather input of {label}", shards))
         source = _to_carrier(transient[-1].tensor, carrier, bit_cast, transient, label)
         flat = collectives.all_gather(plan.collectives.gather, source, comm, label)
         read = (source, *shards)  # what this rank's gather read: its output must be storage of its own
         if whole:
             param = members[0]
             if flat.dtype != dtype:  # widened on the wire: narrowing back allocates the parameter's own tensor
-                transient.append(buffers.adopt(flat, f"widened all-gather output of {label}", read))
+                transient.append(collectives.adopt(flat, f"widened all-gather output of {label}", read))
                 flat = flat.astype(dtype)
-            return [buffers.adopt(flat, f"unsharded parameter '{param.fqn}' of cell '{plan.module_name}'", read,
+            return [collectives.adopt(flat, f"unsharded parameter '{param.fqn}' of cell '{plan.module_name}'", read,
                                   Kind.WORKING)]
         flat = _from_carrier(flat, dtype, bit_cast, transient, label, source)
-        transient.append(buffers.adopt(flat, f"all-gather output of {label}", read))
+        transient.append(collectives.adopt(flat, f"all-gather output of {label}", read))
         return [
-            buffers.adopt(unpack_member(flat, bucket, i, p), f"unsharded parameter '{p.fqn}' of cell '{plan.module_name}'",
+            collectives.adopt(unpack_member(flat, bucket, i, p), f"unsharded parameter '{p.fqn}' of cell '{plan.module_name}'",
                           (flat, *read), Kind.WORKING)
             for i, p in enumerate(members)
         ]
     finally:
         for lender in lent:
             lender.release()
-        buffers.release_all(transient)
+        collectives.release_all(transient)
 
 
 def gather_full(param: ShardedParam, comm: Comm, exchange: Exchange, backend: Backend) -> Tensor:
@@ -145,20 +141,20 @@ def gather_full(param: ShardedParam, comm: Comm, exchange: Exchange, backend: Ba
     carrier = carrier_dtype(backend, dtype, summed=exchange is Exchange.ZERO_FILLED_ALL_REDUCE)
     bit_cast = is_bit_cast(dtype, carrier)
     transient: list = []
-    lent = buffers.borrow(param.sharded, f"sharded parameter '{param.fqn}'")
+    lent = collectives.borrow(param.sharded, f"sharded parameter '{param.fqn}'")
     try:
-        transient.append(buffers.adopt(pack_shards(bucket, [param], param.stored_dtype), f"all-gather input of {label}",
+        transient.append(collectives.adopt(pack_shards(bucket, [param], param.stored_dtype), f"all-gather input of {label}",
                                        (param.sharded,)))
         source = _to_carrier(transient[-1].tensor, dtype_named(carrier), bit_cast, transient, label)
         flat = _from_carrier(collectives.all_gather(exchange, source, comm, label), param.stored_dtype, bit_cast,
                              transient, label, source)
-        transient.append(buffers.adopt(flat, f"all-gather output of {label}", (source, param.sharded)))
+        transient.append(collectives.adopt(flat, f"all-gather output of {label}", (source, param.sharded)))
         full = unpack_member(flat, bucket, 0, param)
-        buffers.check_fresh(full, (flat,), f"full '{param.fqn}' (copied out of the all-gather output, freed next)")
+        collectives.check_fresh(full, (flat,), f"full '{param.fqn}' (copied out of the all-gather output, freed next)")
         return full
     finally:
         lent.release()
-        buffers.release_all(transient)
+        collectives.release_all(transient)
 
 
 def pack_grads(bucket: BucketLayout, params: Sequence[ShardedParam], grads: Sequence[Tensor], dtype: Any) -> Tensor:
@@ -215,9 +211,9 @@ def reduce_to_chunk(how: Reduction, params: Sequence[ShardedParam], grads: Seque
         all_reduce=how.replicated, exchange=how.exchange,
     ), MINDSPORE_RUNTIME)
     if reduction.input is Ownership.BORROWED:
-        source = buffers.borrow(grads[0].reshape(-1), f"reduce-scatter input of {label}")
+        source = collectives.borrow(grads[0].reshape(-1), f"reduce-scatter input of {label}")
     else:
-        source = buffers.adopt(pack_grads(bucket, params, grads, how.wire_dtype), f"reduce-scatter input of {label}",
+        source = collectives.adopt(pack_grads(bucket, params, grads, how.wire_dtype), f"reduce-scatter input of {label}",
                                grads)
     read = (*grads, source.tensor)  # what this rank's reduction read: the sum must be storage of its own
     try:
@@ -226,8 +222,8 @@ def reduce_to_chunk(how: Reduction, params: Sequence[ShardedParam], grads: Seque
         else:
             summed, offset = collectives.reduce_scatter(how.exchange, source.tensor, how.comm)
     finally:
-        buffers.release_all([source])
-    return buffers.adopt(summed, f"reduced gradient of {label}", read), bucket, offset
+        collectives.release_all([source])
+    return collectives.adopt(summed, f"reduced gradient of {label}", read), bucket, offset
 
 
 def divided(chunk: Tensor, divide_factor: float) -> Tensor:

@@ -45,9 +45,8 @@ from fullshard.checkpoint.untrusted import CheckpointError
 from fullshard.core.unit import distinct_units
 from fullshard.mindspore.autograd import no_grad
 from fullshard.mindspore.buckets import gather_full
-from fullshard.mindspore.collectives import world_ranks
+from fullshard.mindspore.collectives import world_ranks, dtype_name, dtype_named
 from fullshard.mindspore.param import sharded_param_of
-from fullshard.mindspore.policies import dtype_name, dtype_named
 
 def _numpy(tensor: Tensor) -> np.ndarray:
     # numpy has no bfloat16: those come out as float32 (every bf16 value is one)

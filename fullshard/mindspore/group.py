@@ -18,23 +18,19 @@ from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Optional
 
 from mindspore import Tensor, nn, ops
 
 from fullshard.core.group import Group
-from fullshard.mindspore import buffers, collectives
+from fullshard.mindspore import collectives
 from fullshard.mindspore.autograd import no_grad, recording
 from fullshard.mindspore.buckets import Reduction, divided, gather_bucket, member_chunk, reduce_to_chunk
-from fullshard.mindspore.buffers import Kind, Owned
-from fullshard.mindspore.collectives import Comm
+from fullshard.mindspore.collectives import Kind, Owned, Comm, dtype_name, dtype_named
 from fullshard.mindspore.param import ShardedParam
-from fullshard.mindspore.policies import dtype_name, dtype_named
 from fullshard.plan import MINDSPORE_RUNTIME, Unsharded
 from fullshard.plan.exchange import Backend, Collectives
-from fullshard.plan.group import GroupPlan
-from fullshard.plan.layout import FUSE_REDUCTIONS_BELOW_BYTES
-from fullshard.plan.strategy import AfterBackward
+from fullshard.plan.group import GroupPlan, FUSE_REDUCTIONS_BELOW_BYTES, AfterBackward
 
 
 @dataclass(eq=False)
@@ -141,7 +137,7 @@ class ParamGroup(Group):
             return self._replicas(index)
         storage = []
         for param in self.plan.members(index):
-            storage.append(buffers.zeros(param.layout.shape, param.compute_dtype,
+            storage.append(collectives.zeros(param.layout.shape, param.compute_dtype,
                                          f"unsharded parameter '{param.fqn}' of cell '{self.module_name}'", Kind.WORKING))
             storage[-1].reclaim()
         return Gathered(tuple(s.tensor for s in storage), storage)
@@ -160,8 +156,8 @@ class ParamGroup(Group):
                     continue
                 fresh = gather_bucket(self.plan, index, self.comm)
                 for owned, new in zip(kept.storage, fresh):
-                    buffers.refill(owned, new.tensor)
-                buffers.release_all(fresh)
+                    collectives.refill(owned, new.tensor)
+                collectives.release_all(fresh)
 
     def _replicas(self, index: int) -> Gathered:
         """A replica is its own unsharded parameter: a view of it (borrowed), or an owned cast copy (plan_replica)."""
@@ -169,7 +165,7 @@ class ParamGroup(Group):
         for i in self.plan.buckets[index].members:
             param = self.plan.params[i]
             if self.plan.replica_plans[i] is Unsharded.OWN_STORAGE:
-                storage.append(buffers.adopt(
+                storage.append(collectives.adopt(
                     param.sharded.astype(param.compute_dtype),
                     f"{dtype_name(param.compute_dtype)} copy of replica '{param.fqn}' of cell '{self.module_name}'",
                     (param.sharded,), Kind.WORKING,
@@ -319,12 +315,12 @@ def _reduce_batch(batch: list[_Request], how: Reduction, divisor: float, replica
                   all_reduce_grads: bool) -> None:
     params = [r.param for r in batch]
     label = _batch_label(batch)
-    lenders = [buffers.borrow(r.grad, f"incoming gradient of '{r.param.fqn}'") for r in batch]
+    lenders = [collectives.borrow(r.grad, f"incoming gradient of '{r.param.fqn}'") for r in batch]
     try:
         with no_grad():
             output, bucket, offset = reduce_to_chunk(how, params, [r.grad for r in batch], label)
     finally:
-        buffers.release_all(lenders)
+        collectives.release_all(lenders)
     try:
         with no_grad():
             chunk = output.tensor.narrow(0, offset, bucket.chunk_numel)  # this rank's chunk of every member: a view
@@ -350,7 +346,7 @@ def _results(batch: list[_Request], bucket: Any, chunk: Tensor, reduced: Tensor)
         if param.requires_grad:
             param.add_to_main_grad(local)
         grad = sharded_copy(local, param.stored_dtype)
-        buffers.check_fresh(grad, (reduced,), f"sharded gradient of '{param.fqn}'")
+        collectives.check_fresh(grad, (reduced,), f"sharded gradient of '{param.fqn}'")
         request.result = grad
 
 
@@ -374,7 +370,7 @@ def _sum_across_replicas(params, bucket, chunk, replica, all_reduce_grads, label
             param.keep_partial(piece)
         return None, None
     total = ops.cat(pieces) if any_partial else chunk
-    summed = buffers.adopt(collectives.all_reduce(total, replica), f"replica-summed gradient of {label}", (total,))
+    summed = collectives.adopt(collectives.all_reduce(total, replica), f"replica-summed gradient of {label}", (total,))
     for param in params:
         param.drop_partial()
     return summed.tensor, summed

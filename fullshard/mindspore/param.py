@@ -17,10 +17,9 @@ from typing import Any, Optional
 import mindspore as ms
 from mindspore import Parameter, Tensor, nn, ops
 
-from fullshard.mindspore import buffers
+from fullshard.mindspore import collectives
 from fullshard.mindspore.autograd import no_grad
-from fullshard.mindspore.buffers import Kind, Owned
-from fullshard.mindspore.policies import dtype_name
+from fullshard.mindspore.collectives import Kind, Owned, dtype_name
 from fullshard.plan import ShardLayout
 from fullshard.plan.group import ParamFacts
 
@@ -122,9 +121,9 @@ class ShardedParam:
         if self.grad_accumulator is None:
             # a cast to another dtype or a copy: both allocate
             first = grad.astype(dtype) if grad.dtype != dtype else grad.copy()
-            self.grad_accumulator = buffers.adopt(first, f"gradient accumulator of '{self.fqn}'", (grad,), Kind.MAIN_GRAD)
+            self.grad_accumulator = collectives.adopt(first, f"gradient accumulator of '{self.fqn}'", (grad,), Kind.MAIN_GRAD)
         else:
-            buffers.accumulate(self.grad_accumulator, grad.astype(dtype) if grad.dtype != dtype else grad,
+            collectives.accumulate(self.grad_accumulator, grad.astype(dtype) if grad.dtype != dtype else grad,
                                "accumulate a gradient")
 
     def take_grad(self, grad: Tensor) -> Tensor:
@@ -138,24 +137,24 @@ class ShardedParam:
 
     def _make_main_grad(self) -> None:
         shape = self.layout.local_shape(self.rank)
-        self.main_grad = buffers.zeros(shape, ms.float32, f"main_grad of '{self.fqn}'", Kind.MAIN_GRAD)
+        self.main_grad = collectives.zeros(shape, ms.float32, f"main_grad of '{self.fqn}'", Kind.MAIN_GRAD)
         self.sharded.main_grad = self.main_grad.tensor
 
     def add_to_main_grad(self, reduced: Tensor) -> None:
         if self._main_grad and self.main_grad is None:  # frozen when fully_shard ran, trained now
             self._make_main_grad()
         if self.main_grad is not None:
-            buffers.accumulate(self.main_grad, reduced.astype(ms.float32) if reduced.dtype != ms.float32 else reduced,
+            collectives.accumulate(self.main_grad, reduced.astype(ms.float32) if reduced.dtype != ms.float32 else reduced,
                                "accumulate into main_grad")
 
     def zero_main_grad(self) -> None:
         if self.main_grad is not None:
-            buffers.assign(self.main_grad, ops.zeros(self.main_grad.tensor.shape, ms.float32), "zero main_grad")
+            collectives.assign(self.main_grad, ops.zeros(self.main_grad.tensor.shape, ms.float32), "zero main_grad")
 
     def keep_partial(self, value: Tensor) -> None:
         """Keep this rank's reduced chunk (summed with the partial sum before, when there was one) for a later
         backward that sums across replicas."""
-        kept = buffers.adopt(value.copy(), f"partial gradient sum of '{self.fqn}'", (value,), Kind.MAIN_GRAD)
+        kept = collectives.adopt(value.copy(), f"partial gradient sum of '{self.fqn}'", (value,), Kind.MAIN_GRAD)
         self.drop_partial()
         self.partial = kept
 

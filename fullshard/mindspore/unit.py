@@ -1,4 +1,7 @@
-"""One unit on MindSpore: the Cell hooks that drive its lifecycle (``fullshard.core.unit``), and its root's.
+"""One unit on MindSpore: the Cell hooks that drive its lifecycle (``fullshard.core.unit``), its root's, and
+the ``FSDPModule`` class a sharded cell becomes (the methods every runtime shares, ``fullshard.core.module``,
+with FSDP2's meanings, and the seed library's names MindSpore users call: ``set_reduce_op_type``, ``zero_grad``
+of the main grads).
 
 Where MindSpore (PyNative, inside ``value_and_grad``) tells a unit where it is in a step:
 
@@ -18,18 +21,19 @@ from __future__ import annotations
 
 import sys
 import threading
-from typing import Any, Iterator, Optional
+from typing import Any, Iterable, Iterator, Optional
 
 from mindspore import Tensor, nn
 
-from fullshard.core.agreement import check_ranks_agree, describe_model
+from fullshard.core.checks import check_ranks_agree, describe_model
+from fullshard.core.module import FSDPModuleMethods, UnshardHandle  # noqa: F401 (UnshardHandle: public here)
 from fullshard.core.unit import Root, TrainingPhase, Unit, named_under
 from fullshard.core.trees import map_leaves
-from fullshard.mindspore.autograd import drop_failed_recording, queue_after_backward, recording
-from fullshard.mindspore.collectives import world_ranks
+from fullshard.mindspore.autograd import drop_failed_recording, in_pynative_mode, queue_after_backward, recording
 from fullshard.mindspore.group import ParamGroup, UnitGather, carried_by
-from fullshard.mindspore.policies import FLOAT_DTYPES, MixedPrecisionPolicy
-from fullshard.plan.strategy import Strategy
+from fullshard.mindspore.collectives import FLOAT_DTYPES, world_ranks
+from fullshard.mindspore.policies import MixedPrecisionPolicy
+from fullshard.plan.group import Strategy
 
 _active = threading.local()
 
@@ -49,7 +53,7 @@ class StepRoot(Root):
         super().begin_step()
 
     def check_ranks_agree(self, units: list) -> None:
-        """Every rank compares the settings of ``units`` (``fullshard.core.agreement``)."""
+        """Every rank compares the settings of ``units`` (``fullshard.core.checks``)."""
         if not any(unit.groups for unit in units):
             return
         # ranks that disagree, even on the mesh, still meet on the world group
@@ -194,3 +198,47 @@ class ShardedUnit(Unit):
 
 def _cast_floats(tree: Any, dtype: Any) -> Any:
     return map_leaves(lambda x: x.astype(dtype) if x.dtype in FLOAT_DTYPES and x.dtype != dtype else x, tree, Tensor)
+
+
+# ------------------------------------------------------------------------ the class a sharded cell becomes
+# The dynamic subclass fully_shard gives each cell class: FSDP<Orig>(FSDPModule, Orig).
+FSDP_CLASSES: dict[type, type] = {}
+
+
+class FSDPModule(FSDPModuleMethods):
+    """Mixin added to every cell ``fully_shard`` was applied to (a dynamic subclass, as in FSDP2).
+
+    On CPU (mccl) every collective blocks: ``unshard(async_op=True)`` returns with the gather complete, and the
+    handle's ``wait()`` is there for code written for Ascend. Without version counters to see an optimizer
+    step, parameters kept gathered (``unshard()``, ``set_reshard_after_backward(False)``) are gathered again
+    after every backward that reduced (MindSpore steps the optimizer on its returned gradients then).
+    """
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if not in_pynative_mode():
+            raise RuntimeError(
+                f"{type(self).__name__} was wrapped by fully_shard, which runs in PyNative mode only; "
+                "call ms.set_context(mode=ms.PYNATIVE_MODE) before calling it"
+            )
+        return super().__call__(*args, **kwargs)
+
+    def _modules_in_reach(self, recurse: bool) -> Iterable[Any]:
+        return [sub for _, sub in self.cells_and_names()] if recurse else [self]
+
+    def set_reduce_op_type(self, op: str) -> None:
+        """"avg" (the default: the mean over data-parallel ranks) or "sum" (the seed library's name; the same as
+        ``set_gradient_divide_factor(1.0)`` on every sharded cell in reach)."""
+        if op not in ("avg", "sum"):
+            raise ValueError(f"set_reduce_op_type: {op!r} is not 'avg' or 'sum'")
+        self._configure(True, divide_factor=1.0 if op == "sum" else None)
+
+    def zero_grad(self) -> None:
+        """Zero every ``main_grad`` in reach (MixedPrecisionPolicy(apply_grad_on_fp32_main_grad=True))."""
+        for unit in self._units(True):
+            for group in unit.groups:
+                for param in group.params:
+                    param.zero_main_grad()
+
+
+HSDPModule = FSDPModule
+

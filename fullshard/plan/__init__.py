@@ -1,12 +1,7 @@
 """Framework-free planning: layouts, buckets and buffer ownership (no torch import)."""
 from fullshard.plan.exchange import Exchange, choose_exchange, exchange_tag, reduce_scratch_chunks, wire_dtype
-from fullshard.plan.layout import (
-    DEFAULT_FUSE_BELOW_NUMEL,
-    BucketLayout,
-    ShardLayout,
-    ceil_div,
-    members_are_row_blocks,
-    plan_buckets,
+from fullshard.plan.group import (
+    DEFAULT_FUSE_BELOW_NUMEL, BucketLayout, ShardLayout, ceil_div, members_are_row_blocks, plan_buckets,
 )
 from fullshard.plan.ownership import (
     MINDSPORE_RUNTIME,

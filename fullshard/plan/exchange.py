@@ -144,23 +144,6 @@ def wire_dtype(exchange: Exchange, grad_dtype: str, reduce_dtype: str) -> str:
     return reduce_dtype
 
 
-DTYPE_BYTES = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2}
-
-
-def gradient_wire_bytes(
-    all_reduce: bool, backend: str, device_type: str, group_size: int, grad_dtype: str, reduce_dtype: str,
-    override: Optional[str] = None,
-) -> int:
-    """Bytes per gradient element a rank's reduction carries (the traffic formulas' ``reduce_bytes``).
-
-    ``all_reduce``: replicated parameters (``no_shard``), all-reduced in place in the reduce dtype.
-    """
-    if all_reduce:
-        return DTYPE_BYTES[reduce_dtype]
-    exchange = choose_exchange(backend, device_type, group_size, override)
-    return DTYPE_BYTES[wire_dtype(exchange, grad_dtype, reduce_dtype)]
-
-
 def reduce_scratch_chunks(exchange: Exchange, group_size: int) -> int:
     """Owned receive buffers (each one chunk, in the wire dtype) a reduce-scatter needs besides its output.
 
@@ -272,22 +255,3 @@ def carrier_dtype(backend: Backend, dtype: str, summed: bool) -> str:
 def is_bit_cast(dtype: str, carrier: str) -> bool:
     """The carrier reinterprets the buffer's bytes (same width, no copy) rather than converting values."""
     return dtype != carrier and dtype == "bfloat16" and carrier == "float16"
-
-
-def carried_traffic(payload: dict[str, float], collectives: Collectives, replica_payload: float = 0.0) -> dict[str, float]:
-    """What the collectives of ``collectives`` really carry for the theoretical ``payload``, by the kind
-    of collective that carries it (each buffer at its full size, as the traffic meter counts them).
-
-    An emulated reduce-scatter is an all-reduce of the same buffer, and so is an emulated sub-group
-    gather; ``replica_payload`` (HSDP: each reduced chunk summed across replicas) is an all-reduce too.
-    Passing the result to :func:`fullshard.plan.strategy.bytes_sent_per_rank` gives what the
-    emulation sends, next to what the payload needs.
-    """
-    carried = {"all_gather": 0.0, "reduce_scatter": 0.0, "all_reduce": replica_payload}
-    if collectives.gather is Exchange.LOCAL:  # a group of one moves nothing; replicas may still sum
-        return carried
-    carried["all_reduce"] += payload.get("all_reduce", 0.0)
-    gather, reduce = payload.get("all_gather", 0.0), payload.get("reduce_scatter", 0.0)
-    carried["all_reduce" if collectives.gather is Exchange.ZERO_FILLED_ALL_REDUCE else "all_gather"] += gather
-    carried["all_reduce" if collectives.reduce is Exchange.ALL_REDUCE_CHUNK else "reduce_scatter"] += reduce
-    return carried

@@ -17,9 +17,12 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from fullshard.plan.exchange import Exchange
-from fullshard.plan.layout import BucketLayout, ShardLayout
+
+if TYPE_CHECKING:  # the layouts are only read here; plan.group asks this module
+    from fullshard.plan.group import BucketLayout, ShardLayout
 
 
 class Ownership(enum.Enum):

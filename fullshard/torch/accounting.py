@@ -19,9 +19,9 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from fullshard.core.unit import distinct_units
-from fullshard.core.accounting import report_theory
-from fullshard.core.traffic import reset_traffic, traffic_bytes
-from fullshard.torch.buffers import comm_bytes
+from fullshard.plan.formulas import report_theory
+from fullshard.core.buffers import reset_traffic, traffic_bytes
+from fullshard.torch.collectives import comm_bytes
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
@@ -46,6 +46,13 @@ def _nbytes(tensors) -> int:
 
 def _states(model: nn.Module) -> list:
     return distinct_units(model.modules())
+
+
+def presence_numel(model: nn.Module) -> int:
+    """The counts of which members a rank had gradients for, in every fused bucket a reduction of ``model``'s
+    units carries beyond the gradients (``plan.group.BucketLayout.with_presence``)."""
+    return sum(len(b.members) for s in _states(model) if s.group is not None for b in s.group.plan.reduce_buckets
+               if b.presence_offset is not None and s.group.params[b.members[0]].requires_grad)
 
 
 def memory_report(model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None) -> dict:
@@ -96,8 +103,7 @@ def memory_report(model: nn.Module, optimizer: Optional[torch.optim.Optimizer] =
             # HSDP: the reduced shards are summed across the replicas in the reduce dtype
             replicas=group.replicas, replica_reduce_bytes=_element_size(group.reduce_dtype(0)),
             # the counts of which members a rank had gradients for, in every fused bucket a reduction carries
-            presence_numel=sum(len(b.members) for s in states if s.group is not None for b in s.group.plan.reduce_buckets
-                               if b.presence_offset is not None and s.group.params[b.members[0]].requires_grad),
+            presence_numel=presence_numel(model),
         )
         report["theory"] = {"memory": theory["memory"], "traffic": theory["traffic"]}
     return report

@@ -2,6 +2,8 @@
 changes anything, then turns each module into an ``FSDPModule`` (``module.py``)."""
 from __future__ import annotations
 
+from collections import OrderedDict
+from types import SimpleNamespace
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Union
 
@@ -9,28 +11,21 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed._composable.contract import REGISTRY_KEY, STATE_KEY, RegistryItem
+from torch.distributed.fsdp import _fully_shard as _torch_api, fully_shard as torch_fully_shard
 from torch.distributed.tensor import DTensor, Shard
 
-from fullshard.core.module import (
-    become_fsdp_module, check_modules, check_not_managed, check_reshard_after_forward, owners_of_params,
-    parse_strategy, shard_dim,
+from fullshard.core.checks import (
+    check_modules, check_not_managed, check_reshard_after_forward, owners_of_params, parse_strategy, shard_dim,
 )
-from fullshard.core.unit import UNIT_ATTR
+from fullshard.core.unit import UNIT_ATTR, become_fsdp_module
 from fullshard.plan import ShardLayout
-from fullshard.plan.strategy import AfterBackward, Strategy, lifecycle
-from fullshard.torch.policies import (
-    CPUOffloadPolicy,
-    MixedPrecisionPolicy,
-    OffloadPolicy,
-    as_mp_policy,
-    as_offload_policy,
-)
-from fullshard.torch import fsdp2_views
-from fullshard.torch.errors import AppliedTwiceError, ShardDimError
+from fullshard.plan.group import AfterBackward, Strategy, lifecycle
+from fullshard.torch.policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+from fullshard.torch.errors import AppliedTwiceError, MeshError, ShardDimError
 from fullshard.torch.group import ParamGroup
-from fullshard.torch.module import FSDP_CLASSES, FSDPModule, UnshardHandle, register_fsdp_forward_method  # noqa: F401
-from fullshard.torch.param import ShardedParam
-from fullshard.torch.spmd import data_parallel_mesh, sharded_spec
+from fullshard.torch.unit import FSDP_CLASSES, FSDPModule, UnshardHandle, register_fsdp_forward_method  # noqa: F401
+from fullshard.torch.param import ShardedParam, sharded_spec
 from fullshard.torch.unit import ShardedUnit
 
 # Parameters already taken over by some fully_shard call (the originals and
@@ -47,6 +42,157 @@ def _is_managed(param: nn.Parameter) -> bool:
 
 def _mark_managed(param: nn.Parameter) -> None:
     setattr(param, _MANAGED_ATTR, True)
+
+
+@dataclass(frozen=True)
+class DataParallelMeshDims:
+    """The data-parallel dims of an SPMD mesh, by name (FSDP2's ``DataParallelMeshDims``; torch's is accepted)."""
+
+    shard: Optional[str | tuple[str, ...]] = None
+    replicate: Optional[str | tuple[str, ...]] = None
+
+    def __post_init__(self) -> None:
+        if self.shard is None and self.replicate is None:
+            raise ValueError("At least one of shard or replicate must be set in DataParallelMeshDims")
+
+    @property
+    def shard_names(self) -> tuple[str, ...]:
+        return _names(self.shard)
+
+    @property
+    def replicate_names(self) -> tuple[str, ...]:
+        return _names(self.replicate)
+
+
+def _names(value: Optional[str | tuple[str, ...]]) -> tuple[str, ...]:
+    if value is None:
+        return ()
+    return (value,) if isinstance(value, str) else tuple(value)
+
+
+@dataclass(frozen=True)
+class DataParallelMesh:
+    """The mesh ``fully_shard`` was given and which of its dims shard and replicate."""
+
+    mesh: DeviceMesh
+    shard_dim: Optional[int]  # None: replicate only (DDP-like)
+    replicate_dim: Optional[int]
+    spmd: bool  # the parameters are DTensors on ``mesh`` itself (dp_mesh_dims)
+
+    @property
+    def shard_group(self) -> dist.ProcessGroup:
+        """Where gradients are reduced (the replicas' group when nothing shards)."""
+        return self.mesh.get_group(self.shard_dim if self.shard_dim is not None else self.replicate_dim)
+
+    @property
+    def replicate_group(self) -> Optional[dist.ProcessGroup]:
+        """HSDP: where reduced shards are summed across replicas."""
+        if self.replicate_dim is None or self.shard_dim is None:
+            return None
+        return self.mesh.get_group(self.replicate_dim)
+
+    @property
+    def shard_mesh(self) -> DeviceMesh:
+        """The 1-D mesh of the shard dim (what all-gather extensions are told)."""
+        if self.mesh.ndim == 1:
+            return self.mesh
+        index = self.shard_dim if self.shard_dim is not None else self.replicate_dim
+        return self.mesh[self.mesh.mesh_dim_names[index]]
+
+    @property
+    def shard_rank(self) -> int:
+        return self.mesh.get_local_rank(self.shard_dim) if self.shard_dim is not None else 0
+
+    @property
+    def shard_size(self) -> int:
+        return self.mesh.size(self.shard_dim) if self.shard_dim is not None else 1
+
+
+def data_parallel_mesh(mesh: DeviceMesh, dp_mesh_dims, name: str) -> DataParallelMesh:
+    """Read which dims of ``mesh`` are data parallel: the last shards and a leading one replicates (HSDP),
+    or the ones ``dp_mesh_dims`` names."""
+    if dp_mesh_dims is None:
+        if mesh.ndim not in (1, 2):
+            raise ValueError(
+                f"fully_shard expects a 1D or 2D DeviceMesh but got {mesh}: fully_shard({name}) takes a 1-D (shard) "
+                "or 2-D (replicate, shard) mesh for HSDP; for a mesh with model-parallel dims too, pass "
+                "dp_mesh_dims naming the data-parallel ones, or pass mesh[<dp dims>]"
+            )
+        if mesh.ndim == 2 and mesh.mesh_dim_names is None:
+            raise MeshError(
+                f"Please init the 2D mesh for HSDP with mesh_dim_names specified: fully_shard({name}) got {mesh}; "
+                "build it with init_device_mesh(..., mesh_dim_names=('replicate', 'shard'))"
+            )
+        return DataParallelMesh(mesh, mesh.ndim - 1, 0 if mesh.ndim == 2 else None, spmd=False)
+    shard, replicate = dp_mesh_dims.shard_names, dp_mesh_dims.replicate_names
+    if not shard and not replicate:
+        raise ValueError(f"fully_shard({name}): dp_mesh_dims names no dim; set shard= and/or replicate=")
+    names = mesh.mesh_dim_names
+    if names is None:
+        raise ValueError(
+            f"fully_shard({name}): dp_mesh_dims needs a mesh with mesh_dim_names; build it with "
+            "init_device_mesh(..., mesh_dim_names=(...))"
+        )
+    unknown = [n for n in shard + replicate if n not in names]
+    if unknown:
+        raise ValueError(
+            f"dp_mesh_dims names {unknown}, not found in mesh.mesh_dim_names {names}: fully_shard({name}) needs "
+            "the names of the data-parallel dims of the mesh it is given"
+        )
+    if len(shard) > 1 or len(replicate) > 1:
+        raise NotImplementedError(
+            f"fully_shard({name}): dp_mesh_dims with several shard or replicate dims ({shard}, {replicate}); "
+            "flatten them into one mesh dim first (mesh[names]._flatten())"
+        )
+    return DataParallelMesh(
+        mesh,
+        names.index(shard[0]) if shard else None,
+        names.index(replicate[0]) if replicate else None,
+        spmd=True,
+    )
+
+
+# torch's own policy classes, taken once at import: code that later swaps names in
+# torch.distributed.fsdp (a test harness running FSDP2's suite on fullshard) must not change them.
+
+_TORCH_MP, _TORCH_OFFLOAD, _TORCH_CPU_OFFLOAD = (
+    _torch_api.MixedPrecisionPolicy, _torch_api.OffloadPolicy, _torch_api.CPUOffloadPolicy,
+)
+
+
+def as_mp_policy(policy: object, module_name: str) -> MixedPrecisionPolicy:
+    if isinstance(policy, MixedPrecisionPolicy):
+        result = policy
+    else:
+        if not isinstance(policy, _TORCH_MP):
+            raise TypeError(
+                f"fully_shard({module_name}): mp_policy must be a fullshard.MixedPrecisionPolicy "
+                f"or torch's MixedPrecisionPolicy, got {type(policy).__name__}"
+            )
+        result = MixedPrecisionPolicy(
+            policy.param_dtype, policy.reduce_dtype, policy.output_dtype, policy.cast_forward_inputs
+        )
+    for field in ("param_dtype", "reduce_dtype", "output_dtype", "main_dtype"):
+        dtype = getattr(result, field)
+        if dtype is not None and (not isinstance(dtype, torch.dtype) or not dtype.is_floating_point):
+            raise ValueError(
+                f"fully_shard({module_name}): MixedPrecisionPolicy.{field}={dtype!r} is not a "
+                "floating-point torch.dtype; use e.g. torch.bfloat16 or torch.float32, or None"
+            )
+    return result
+
+
+def as_offload_policy(policy: object, module_name: str) -> OffloadPolicy:
+    if isinstance(policy, OffloadPolicy):
+        return policy
+    if isinstance(policy, _TORCH_CPU_OFFLOAD):
+        return CPUOffloadPolicy(pin_memory=policy.pin_memory)
+    if isinstance(policy, _TORCH_OFFLOAD):
+        return OffloadPolicy()
+    raise TypeError(
+        f"fully_shard({module_name}): offload_policy must be a fullshard.OffloadPolicy / "
+        f"CPUOffloadPolicy or torch's equivalent, got {type(policy).__name__}"
+    )
 
 
 def _default_mesh() -> DeviceMesh:
@@ -142,12 +288,12 @@ def fully_shard(
     Parameters that are DTensors already (tensor parallelism) are sharded
     further across ``mesh``'s data-parallel dims; with ``dp_mesh_dims``,
     ``mesh`` is the whole SPMD mesh and names which of its dims those are
-    (see ``fullshard.torch.spmd``).
+    (see ``fullshard.torch.param``).
 
     ``strategy`` (beyond FSDP2) names how much is sharded: ``"no_shard"``
     (replicate, like DDP), ``"optim"`` (ZeRO-1), ``"optim_grads"`` (ZeRO-2) or
     ``"optim_grads_params"`` (ZeRO-3, the default); see
-    ``fullshard.plan.strategy`` for the flags each one sets.
+    ``fullshard.plan.group`` for the flags each one sets.
 
     Everything is checked before anything changes: on an error the modules keep their class, parameters and
     hooks.
@@ -243,7 +389,45 @@ def _apply(modules: list[nn.Module], args: _Arguments, owners: dict, plans: list
     unit = ShardedUnit(modules, group, args.mp, args.reshard_after_forward, args.strategy)
     for m in modules:
         become_fsdp_module(m, FSDPModule, FSDP_CLASSES, unit)
-        fsdp2_views.expose(m, unit)
+        _expose_to_torch(m, unit)
+
+
+def _expose_to_torch(module: nn.Module, unit: ShardedUnit) -> None:
+    """Answer ``torch.distributed.fsdp.fully_shard.state(module)`` with a view of ``unit`` (``StateView``), and
+    mark the module in torch's registry of composable APIs as ``fully_shard``ed: torch's ``replicate()`` applied
+    over fullshard units (DDP on the root) then leaves their parameters to fullshard, as it does FSDP2's."""
+    # fully_shard.state(m) looks its state up under the undecorated function.
+    module.__dict__.setdefault(STATE_KEY, {})[torch_fully_shard.__wrapped__] = StateView(unit)
+    module.__dict__.setdefault(REGISTRY_KEY, OrderedDict()).setdefault("fully_shard", RegistryItem())
+
+
+class StateView:
+    """What ``torch.distributed.fsdp.fully_shard.state(module)`` returns for a fullshard module.
+
+    Most of torch's distributed code only calls ``FSDPModule`` methods, which fullshard defines.
+    ``torch.distributed.pipelining`` also reaches into the state: after the last micro-batch of a schedule it
+    reduces the gradients itself, through ``fully_shard.state(module)._state_ctx.all_states``, each state's
+    ``_fsdp_param_groups[i].post_backward()``, then the root's ``_root_post_backward_final_callback()``. This
+    read-only view answers those three calls with fullshard's own reduction; nothing else of FSDP2's state
+    exists.
+    """
+
+    def __init__(self, state: ShardedUnit) -> None:
+        self._state = state
+
+    @property
+    def _fsdp_param_groups(self) -> list[SimpleNamespace]:
+        if self._state.group is None:
+            return []
+        return [SimpleNamespace(post_backward=self._state.reduce_accumulated_grads)]
+
+    @property
+    def _state_ctx(self) -> SimpleNamespace:
+        states = self._state.root.units if self._state.root is not None else [self._state]
+        return SimpleNamespace(all_states=[StateView(state) for state in states])
+
+    def _root_post_backward_final_callback(self) -> None:
+        (self._state.root or self._state.lazy_init_as_root()).complete_backward()
 
 
 def _group(sharded: list[ShardedParam], args: _Arguments) -> ParamGroup:

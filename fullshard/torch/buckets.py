@@ -13,14 +13,13 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from fullshard.core.traffic import count
+from fullshard.core.buffers import count
 from fullshard.plan import (
     BucketLayout, Exchange, GatherPlan, Ownership, ReducePlan, ShardedGrad, Unsharded, grad_copy_may_be_async,
     reduce_scratch_chunks,
 )
-from fullshard.torch import buffers
 from fullshard.torch import collectives
-from fullshard.torch.buffers import Borrowed, Owned
+from fullshard.torch.collectives import Borrowed, Owned
 from fullshard.torch.param import ShardedParam
 
 
@@ -120,11 +119,11 @@ class PendingGather:
             with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(tuple(targets)):
                 unpack_rank_chunks(self.copy_out.tensor, self.bucket, self.params, targets)
             self.transient.append(self.copy_out)
-        buffers.release_all(self.transient)
+        collectives.release_all(self.transient)
 
     def abandon(self) -> None:
         """The gather failed: drop its buffers without freeing them (a transfer may still write)."""
-        buffers.release_all(self.transient, idle=False)
+        collectives.release_all(self.transient, idle=False)
         self.version_guard = None
 
 
@@ -175,14 +174,14 @@ def gather_bucket(
             transient.append(kept)
             source = kept.tensor
         elif plan.input is Ownership.BORROWED:
-            transient.append(buffers.borrow(params[0].padded_chunk.view(-1), f"sharded storage of {label}"))
+            transient.append(collectives.borrow(params[0].padded_chunk.view(-1), f"sharded storage of {label}"))
             source = transient[-1].tensor
         elif in_place:
             # This rank's row of the owned output is the input: pack it there, no buffer of its own.
             source = out.view(bucket.world, -1)[dist.get_rank(group)]
             _pack_local_chunks(source, bucket, params)
         else:
-            packed = buffers.allocate(bucket.chunk_numel, dtype, output.tensor.device, f"all-gather input of {label}",
+            packed = collectives.allocate(bucket.chunk_numel, dtype, output.tensor.device, f"all-gather input of {label}",
                                       sources=[p.sharded._local_tensor for p in params])
             transient.append(packed)
             source = packed.writable("pack the all-gather input")
@@ -224,7 +223,7 @@ class PendingReduce:
     def finish(self) -> None:
         wait(self.work, f"gradient reduction of {self.label} (if ranks use different parameters in a step, e.g. "
                         "conditional branches or experts, call set_reduce_scatter_unused_params(True) on the module)")
-        buffers.release_all(self.transient)
+        collectives.release_all(self.transient)
         if self.combine is not None and not self.combine(self.output):
             self.output = None  # now a partial sum owned by the group
             return
@@ -247,7 +246,7 @@ class PendingReduce:
                     # An existing gradient is summed with the copy right away: it must have landed.
                     non_blocking = grad_copy_may_be_async(param.pin_memory, param.sharded.grad is not None)
                     # out of the reduced buffer, which is reclaimed below
-                    local = buffers.copy_out(
+                    local = collectives.copy_out(
                         chunk.narrow(layout.dim, 0, layout.local_length(param.rank)), param.stored_dtype,
                         param.storage_device, f"sharded gradient of '{param.fqn}' (copied out of {self.label})",
                         non_blocking,
@@ -278,7 +277,7 @@ class PendingReduce:
         if self.output is not None:
             self.transient.append(self.output)
             self.output = None
-        buffers.release_all(self.transient, idle=idle)
+        collectives.release_all(self.transient, idle=idle)
 
 
 def _run_hook(hook: Callable[[torch.Tensor], None], out: torch.Tensor, stream: Any) -> None:
@@ -322,11 +321,11 @@ def reduce_bucket(
     held = [g is not None for g in grads]
     with torch.no_grad():
         if plan.input is Ownership.BORROWED:
-            source: Owned | Borrowed = buffers.borrow(grads[0].view(-1), f"gradient of {label}")
+            source: Owned | Borrowed = collectives.borrow(grads[0].view(-1), f"gradient of {label}")
         else:
             what = f"reduce-scatter input of {label}"
-            source = (buffers.allocate_pooled(comm, bucket.total_numel, wire_dtype, device, what, grads)
-                      if plan.input_pooled else buffers.allocate(bucket.total_numel, wire_dtype, device, what,
+            source = (collectives.allocate_pooled(comm, bucket.total_numel, wire_dtype, device, what, grads)
+                      if plan.input_pooled else collectives.allocate(bucket.total_numel, wire_dtype, device, what,
                                                                  sources=grads))
             pack_rank_chunks(source.writable("pack the reduce-scatter input"), bucket, params, grads)
         if all_reduce:
@@ -335,10 +334,10 @@ def reduce_bucket(
                 count("all_reduce", source.nbytes)
             return PendingReduce(work, [], source, bucket, plan, list(params), held, divide_factor, label)
         read = (*grads, source.tensor)  # what the reduction reads on this rank
-        output = buffers.allocate(bucket.chunk_numel, reduce_dtype, device, f"reduce-scatter output of {label}",
+        output = collectives.allocate(bucket.chunk_numel, reduce_dtype, device, f"reduce-scatter output of {label}",
                                   sources=read)
         scratch = [
-            buffers.allocate(bucket.chunk_numel, wire_dtype, device, f"reduce-scatter receive buffer of {label}",
+            collectives.allocate(bucket.chunk_numel, wire_dtype, device, f"reduce-scatter receive buffer of {label}",
                              sources=read)
             for _ in range(reduce_scratch_chunks(exchange, dist.get_world_size(group)))
         ]

@@ -64,7 +64,7 @@ from torch.distributed.checkpoint.state_dict import (
 from fullshard.checkpoint import manifest
 from fullshard.checkpoint.publish import save_together
 from fullshard.checkpoint.untrusted import CheckpointError
-from fullshard.core.agreement import Ranks
+from fullshard.core.checks import Ranks
 from fullshard.torch.checkpoint_metadata import FRAMEWORK, METADATA_FILE, checked_metadata, open_metadata
 from fullshard.torch.collectives import ranks_summing_over
 

@@ -1,4 +1,4 @@
-"""Optional run-time checks, off by default (each costs one boolean test when off).
+"""Optional run-time checks, off by default (each costs one attribute read when off).
 
 * ``FULLSHARD_CHECK_FINITE=1`` (or :func:`set_check_finite`): NaN/Inf
   gradients. Each unsharded gradient is tested as autograd delivers it
@@ -19,18 +19,15 @@ import torch
 import torch.distributed as dist
 from torch.utils._pytree import tree_flatten
 
-_enabled = os.environ.get("FULLSHARD_CHECK_FINITE", "0") not in ("", "0")
-_inputs_enabled = os.environ.get("FULLSHARD_CHECK_INPUTS", "0") not in ("", "0")
+# Read as plain attributes where the step runs (``checks.finite``), so a check that is off costs nothing else.
+finite = os.environ.get("FULLSHARD_CHECK_FINITE", "0") not in ("", "0")
+inputs = os.environ.get("FULLSHARD_CHECK_INPUTS", "0") not in ("", "0")
 _first_offender: Optional[str] = None
 
 
 def set_check_finite(enabled: bool) -> None:
-    global _enabled
-    _enabled = enabled
-
-
-def check_finite_enabled() -> bool:
-    return _enabled
+    global finite
+    finite = enabled
 
 
 def inspect(name: str, grad: Optional[torch.Tensor]) -> None:
@@ -56,12 +53,8 @@ def raise_if_any(process_group: dist.ProcessGroup) -> None:
 
 
 def set_check_inputs(enabled: bool) -> None:
-    global _inputs_enabled
-    _inputs_enabled = enabled
-
-
-def check_inputs_enabled() -> bool:
-    return _inputs_enabled
+    global inputs
+    inputs = enabled
 
 
 def check_same_input_shapes(args: Any, kwargs: Any, module_name: str, process_group: dist.ProcessGroup) -> None:

@@ -25,11 +25,10 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from fullshard.core.traffic import count
+from fullshard.core.buffers import count
 from fullshard.plan import Exchange, exchange_tag
-from fullshard.torch import buffers
 from fullshard.torch import collectives
-from fullshard.torch.buffers import Kind, Owned
+from fullshard.torch.collectives import Kind, Owned
 from fullshard.torch.buckets import wait
 from fullshard.torch.param import ShardedParam, contiguous_stride
 
@@ -60,7 +59,7 @@ class PendingExtensionGather:
         """Complete the gather; returns the unsharded tensor the first time (None when refilled)."""
         for work in self.works:
             wait(work, f"all-gather of {self.label}")
-        buffers.release_all(self.inputs)
+        collectives.release_all(self.inputs)
         outputs = tuple(o.tensor.view(-1, *size[1:]) for o, size in zip(self.state.outputs, self.input_sizes))
         local, dtype = self.param.sharded._local_tensor, self.param.compute_dtype
         with torch.no_grad():
@@ -77,7 +76,7 @@ class PendingExtensionGather:
         return torch.as_strided(unsharded, shape, contiguous_stride(shape), storage_offset=0)
 
     def abandon(self) -> None:
-        buffers.release_all(self.inputs)
+        collectives.release_all(self.inputs)
 
 
 def _check_padded(param: ShardedParam, inputs: tuple, group: dist.ProcessGroup) -> None:
@@ -114,7 +113,7 @@ def gather_extended(
     if not state.outputs:
         _check_padded(param, inputs, group)
         state.outputs = [
-            buffers.allocate(world * t.numel(), t.dtype, t.device, f"all-gather output {i} of {label}", Kind.WORKING,
+            collectives.allocate(world * t.numel(), t.dtype, t.device, f"all-gather output {i} of {label}", Kind.WORKING,
                              sources=inputs)
             for i, t in enumerate(inputs)
         ]
@@ -122,7 +121,7 @@ def gather_extended(
     with torch.no_grad():
         for index, (tensor, output) in enumerate(zip(inputs, state.outputs)):
             output.regrow()
-            borrowed.append(buffers.borrow(tensor.reshape(-1), f"all-gather input {index} of {label}"))
+            borrowed.append(collectives.borrow(tensor.reshape(-1), f"all-gather input {index} of {label}"))
             out = output.writable("all-gather into")
             tag = exchange_tag(f"{label}#{index}", "all_gather")
             works.append(collectives.all_gather(exchange, out, borrowed[-1].tensor, group, tag))

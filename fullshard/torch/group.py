@@ -24,12 +24,10 @@ import torch.distributed as dist
 from fullshard.core.group import Group
 from fullshard.plan import Accumulation, ReduceFacts, Unsharded, plan_reduce
 from fullshard.plan.exchange import EXCHANGE_ENV, TORCH, Collectives, Exchange, choose_exchange
-from fullshard.plan.group import GroupPlan, ParamFacts
-from fullshard.plan.layout import DEFAULT_FUSE_BELOW_NUMEL
-from fullshard.plan.strategy import AfterBackward
-from fullshard.torch import buffers, checks
-from fullshard.torch.buckets import PendingGather, all_reduce_in_place, gather_bucket, pack_rank_chunks, reduce_bucket
-from fullshard.torch.buffers import Kind, Owned
+from fullshard.plan.group import DEFAULT_FUSE_BELOW_NUMEL, AfterBackward, GroupPlan
+from fullshard.torch import checks, collectives
+from fullshard.torch.buckets import all_reduce_in_place, gather_bucket, pack_rank_chunks, reduce_bucket
+from fullshard.torch.collectives import Kind, Owned
 from fullshard.torch.errors import NotMaterializedError
 from fullshard.torch.extensions import ExtensionState, gather_extended
 from fullshard.torch.param import ShardedParam, dtype_name, is_plain
@@ -160,7 +158,7 @@ class ParamGroup(Group):
     def _start_gather(self) -> None:
         chunks, self._post_forward_chunks = self._post_forward_chunks, []
         if chunks and self._shards_changed():
-            buffers.release_all(chunks)  # the shards moved on: gather them afresh
+            collectives.release_all(chunks)  # the shards moved on: gather them afresh
         for param in self.params:
             param.gathered_version = param.shard_version()
         if self.replicated:
@@ -196,7 +194,7 @@ class ParamGroup(Group):
                     self._make_unsharded(param, local)
                 continue
             if param.unsharded_storage is None:
-                param.unsharded_storage = buffers.copy_of(
+                param.unsharded_storage = collectives.copy_of(
                     local, param.compute_dtype, param.device,
                     f"{dtype_name(param.compute_dtype)} copy of replica '{param.fqn}' of module '{self.module_name}'",
                     Kind.WORKING,
@@ -216,7 +214,7 @@ class ParamGroup(Group):
         if gather.unsharded is Unsharded.VIEW_OF_OUTPUT:
             output = self._view_outputs[index]
             if output is None:
-                output = buffers.allocate(
+                output = collectives.allocate(
                     bucket.total_numel, dtype, device, f"unsharded {plan.labels[index]}", Kind.WORKING, shards
                 )
                 self._view_outputs[index] = output
@@ -227,7 +225,7 @@ class ParamGroup(Group):
             return output
         for param in members:
             if param.unsharded_storage is None:
-                param.unsharded_storage = buffers.allocate(
+                param.unsharded_storage = collectives.allocate(
                     param.layout.shape, dtype, device,
                     f"unsharded parameter '{param.fqn}' of module '{plan.module_name}'", Kind.WORKING, shards,
                 )
@@ -236,8 +234,8 @@ class ParamGroup(Group):
                 param.unsharded_storage.regrow()
         what = f"all-gather output of {plan.labels[index]}"
         if gather.output_pooled:
-            return buffers.allocate_pooled(self.custom_all_gather, bucket.total_numel, dtype, device, what, shards)
-        return buffers.allocate(bucket.total_numel, dtype, device, what, sources=shards)
+            return collectives.allocate_pooled(self.custom_all_gather, bucket.total_numel, dtype, device, what, shards)
+        return collectives.allocate(bucket.total_numel, dtype, device, what, sources=shards)
 
     def _make_unsharded(self, param: ShardedParam, data: torch.Tensor) -> None:
         param.make_unsharded(data)
@@ -294,7 +292,7 @@ class ParamGroup(Group):
         with torch.no_grad():
             for index, bucket in enumerate(plan.buckets):
                 members = plan.members(index)
-                kept = buffers.allocate(
+                kept = collectives.allocate(
                     span * bucket.chunk_numel, members[0].compute_dtype, members[0].device,
                     f"post-forward chunks of {plan.labels[index]}", sources=[p.unsharded_data for p in members],
                 )
@@ -312,7 +310,7 @@ class ParamGroup(Group):
         return any(p.shard_version() != p.gathered_version for p in self.params)
 
     def _drop_post_forward_chunks(self) -> None:
-        buffers.release_all(self._post_forward_chunks)  # chunks from a forward whose backward never came
+        collectives.release_all(self._post_forward_chunks)  # chunks from a forward whose backward never came
 
     def _abandon_gathers(self) -> None:
         """Let gathers in flight end. Storage a failed transfer may still be writing into is dropped, never
@@ -350,7 +348,7 @@ class ParamGroup(Group):
     def _on_grad_accumulated(self, index: int) -> None:
         """Autograd summed a gradient into an unsharded parameter."""
         param = self.params[index]
-        if checks.check_finite_enabled():
+        if checks.finite:
             checks.inspect(param.fqn, param.local_grad(param.unsharded.grad))
         if not self.reduce_grads and self.plan.accumulations[index] is Accumulation.OWNED:
             # Accumulating without sync: sum in the reduce dtype (e.g. fp32 for bf16 compute).

@@ -7,20 +7,134 @@ shards. Around its forward the module sees the unsharded parameter (a plain
 all-gather and reclaims on reshard; autograd keeps references to that tensor,
 which is why reshard frees its *storage* (owned by fullshard) rather than
 dropping the tensor.
+
+A parameter may already be a DTensor: tensor parallelism put it on a ``tp``
+mesh (``parallelize_module``), or an SPMD program put it on a mesh that has
+data-parallel dims too (``fully_shard(..., dp_mesh_dims=...)``). fullshard
+then shards the parameter's *local* tensor across the data-parallel shard
+dim with its usual layouts, and the sharded parameter is a DTensor on the
+mesh of both, with placements ``(<data parallel>, <the parameter's own>)``,
+as FSDP2 makes it. When both shard the same tensor dim, the data-parallel
+shard is inside the parameter's own chunks: ``_StridedShard`` says so. The
+module sees the parameter's own DTensor (``ShardedSpec.unsharded``), gathered
+within the data-parallel shard dim only. ``sharded_spec`` validates all of it
+before ``fully_shard`` changes anything; each error names the parameter, both
+meshes and the fix.
 """
 from __future__ import annotations
 
-from typing import Optional
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Optional
 
 import torch
 import torch.nn as nn
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+from torch.distributed.tensor.placement_types import _StridedShard
 
-from fullshard.torch import buffers
-from fullshard.torch.buffers import Kind, Owned
+from fullshard.torch import collectives
+from fullshard.torch.collectives import Kind, Owned
 from fullshard.plan import ShardLayout, stores_padded_chunk
 from fullshard.plan.group import ParamFacts
-from fullshard.torch.spmd import ShardedSpec
+
+if TYPE_CHECKING:  # api builds the mesh and imports this module
+    from fullshard.torch.api import DataParallelMesh
+
+
+@dataclass(frozen=True)
+class ShardedSpec:
+    """Where a sharded parameter lives: its DTensor's mesh, placements and global shape, and what the
+    module sees when it is unsharded (``unsharded``: the parameter's own DTensor spec; None: a plain tensor)."""
+
+    mesh: DeviceMesh
+    placements: tuple[Placement, ...]
+    shape: torch.Size
+    unsharded: Optional[DTensorSpec] = None
+    # SPMD meshes: the data-parallel dims of ``unsharded``'s mesh. A gradient's placement there (a
+    # Partial sum per rank) is kept for fullshard's reduction to sum, not redistributed by DTensor.
+    data_parallel_dims: frozenset[int] = frozenset()
+
+    def grad_placements(self, grad_placements: tuple[Placement, ...]) -> tuple[Placement, ...]:
+        """Where an unsharded gradient must be placed before its local tensor is reduced."""
+        own = self.unsharded.placements
+        return tuple(grad_placements[i] if i in self.data_parallel_dims else own[i] for i in range(len(own)))
+
+    def unsharded_spec(self, dtype: torch.dtype) -> DTensorSpec:
+        """The unsharded DTensor's spec in the compute dtype."""
+        spec = self.unsharded
+        meta = TensorMeta(spec.tensor_meta.shape, spec.tensor_meta.stride, dtype)
+        return DTensorSpec(spec.mesh, spec.placements, tensor_meta=meta)
+
+
+def sharded_spec(param: torch.Tensor, fqn: str, name: str, dp: DataParallelMesh, dim: int,
+                 replicated: bool) -> ShardedSpec:
+    """How ``param`` is placed once sharded on tensor dim ``dim`` (``replicated``: kept whole, no_shard)."""
+    if not isinstance(param, DTensor):
+        if dp.spmd:
+            raise ValueError(
+                f"When dp_mesh_dims is provided, all parameters must be DTensors on the SPMD mesh: fully_shard({name}) "
+                f"got a plain tensor for '{fqn}'; distribute it first (distribute_module / distribute_tensor)"
+            )
+        placements = tuple(
+            Replicate() if index != dp.shard_dim or replicated else Shard(dim) for index in range(dp.mesh.ndim)
+        )
+        return ShardedSpec(dp.mesh, placements, param.shape)
+    own = param._spec
+    if dp.spmd:
+        return _on_spmd_mesh(param, fqn, name, dp, dim, replicated)
+    names = set(dp.mesh.mesh_dim_names or ()) & set(own.mesh.mesh_dim_names or ())
+    if names or own.mesh == dp.mesh:
+        raise ValueError(
+            f"fully_shard({name}): parameter '{fqn}' is a DTensor placed {own.placements} on {own.mesh}, which "
+            f"shares the data-parallel dims {sorted(names) or dp.mesh.mesh_dim_names} with the mesh given to "
+            f"fully_shard ({dp.mesh}); keep the parameter's mesh to the model-parallel dims (mesh['tp']) and "
+            "pass the data-parallel dims as mesh, or pass the whole mesh with dp_mesh_dims"
+        )
+    try:
+        mesh = DeviceMesh._concatenate([dp.mesh, own.mesh])
+    except Exception as error:  # torch says what is wrong in its own words; name ours
+        raise ValueError(
+            f"fully_shard({name}): parameter '{fqn}' is a DTensor on {own.mesh}, which is not a dimension of "
+            f"the same mesh as the data-parallel mesh {dp.mesh} ({error}); build both from one "
+            "init_device_mesh(..., mesh_dim_names=(...)) and pass mesh[<dp dims>] to fully_shard"
+        ) from None
+    inner = own.num_shards_map[dim]  # chunks the parameter's own placements already cut dim into
+    shard: Placement = _StridedShard(dim, split_factor=inner) if inner > 1 else Shard(dim)
+    placements = tuple(
+        Replicate() if index != dp.shard_dim or replicated else shard for index in range(dp.mesh.ndim)
+    ) + tuple(own.placements)
+    return ShardedSpec(mesh, placements, param.shape, own)
+
+
+def _on_spmd_mesh(param: DTensor, fqn: str, name: str, dp: DataParallelMesh, dim: int,
+                  replicated: bool) -> ShardedSpec:
+    own = param._spec
+    if own.mesh is not dp.mesh:  # FSDP2 asks for the very mesh object: the dims' groups are its
+        raise ValueError(
+            f"Expected param's DTensor mesh to be the same mesh passed to fully_shard: parameter '{fqn}' is a "
+            f"DTensor on {own.mesh}, but fully_shard({name}) was given {dp.mesh} with dp_mesh_dims; distribute "
+            "every parameter on that mesh object"
+        )
+    placements = list(own.placements)
+    names = dp.mesh.mesh_dim_names
+    for index in (dp.shard_dim, dp.replicate_dim):
+        if index is not None and not isinstance(placements[index], Replicate):
+            raise ValueError(
+                f"Expected Replicate() on the data-parallel dim '{names[index]}': fully_shard({name}) found parameter "
+                f"'{fqn}' placed {placements[index]} there; it must be Replicate() (fully_shard shards it across "
+                "that dim)"
+            )
+    if dp.shard_dim is not None and not replicated:
+        # the data-parallel shard is inside every chunk that later mesh dims cut the same tensor dim into
+        inner = 1
+        for later in range(dp.shard_dim + 1, dp.mesh.ndim):
+            placement = placements[later]
+            if isinstance(placement, (Shard, _StridedShard)) and placement.dim == dim:
+                inner *= dp.mesh.size(later)
+        placements[dp.shard_dim] = _StridedShard(dim, split_factor=inner) if inner > 1 else Shard(dim)
+    dims = frozenset(index for index in (dp.shard_dim, dp.replicate_dim) if index is not None)
+    return ShardedSpec(dp.mesh, tuple(placements), param.shape, own, dims)
 
 
 def contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
@@ -61,7 +175,7 @@ class ShardedParam:
         self.fqn = fqn  # from the root, once the root is known (ParamGroup.rename)
         self.owners = owners  # (module, attribute) pairs: several for tied parameters
         # The layout is of the local tensor: the parameter itself, or a DTensor parameter's local
-        # part (tensor parallelism), which is what data parallelism shards (see spmd.py).
+        # part (tensor parallelism), which is what data parallelism shards (see the module docstring).
         self.layout = layout
         self.spec = spec
         self.mesh, self.placements = spec.mesh, spec.placements
@@ -322,7 +436,7 @@ class ShardedParam:
         if grad is None:
             return
         if self.grad_accumulator is None:
-            self.grad_accumulator = buffers.copy_of(grad, dtype, grad.device, label, Kind.MAIN_GRAD)
+            self.grad_accumulator = collectives.copy_of(grad, dtype, grad.device, label, Kind.MAIN_GRAD)
             return
         with torch.no_grad():
             self.grad_accumulator.writable("accumulate a gradient").add_(grad)

@@ -7,8 +7,10 @@ import os
 from pathlib import Path
 from typing import Optional
 
-from fullshard.plan.exchange import DEFAULT_BACKENDS, EXCHANGE_ENV, gradient_wire_bytes
-from fullshard.plan.strategy import Strategy, bytes_sent_per_rank, per_rank_theory
+from fullshard.plan.formulas import gradient_wire_bytes, bytes_sent_per_rank, per_rank_theory
+
+from fullshard.plan.exchange import DEFAULT_BACKENDS, EXCHANGE_ENV
+from fullshard.plan.group import Strategy
 from fullshard.train.nodes import choose_mesh, nodes_of
 
 

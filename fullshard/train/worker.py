@@ -17,9 +17,9 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from fullshard.core.procs import peak_rss_bytes
+from fullshard.train.procs import peak_rss_bytes
 from fullshard.plan.exchange import DEFAULT_BACKENDS
-from fullshard.core.traffic import reset_traffic, traffic
+from fullshard.core.buffers import reset_traffic, traffic
 from fullshard.train import rollcall
 from fullshard.train.config import EVAL_BATCHES, RankResult, TrainConfig, learning_rate, write_run_record
 from fullshard.train.data import ByteCorpus

@@ -26,7 +26,7 @@ from typing import Optional
 import numpy as np
 
 from fullshard.checkpoint import latest_step, step_dir
-from fullshard.core.procs import peak_rss_bytes
+from fullshard.train.procs import peak_rss_bytes
 from fullshard.models.config import MODEL_SIZES
 from fullshard.train import rollcall
 from fullshard.train.config import EVAL_BATCHES, RankResult, TrainConfig, learning_rate, write_run_record
@@ -156,7 +156,7 @@ def run_rank(cfg: TrainConfig, run_dir: Path) -> dict:
     """Train on this msrun worker; writes ``result_<rank>.json`` into ``run_dir`` (rank 0: every rank's too)."""
     from mindspore.communication import get_group_size, get_rank, init
 
-    from fullshard.core.msrun import register_worker
+    from fullshard.train.msrun import register_worker
 
     _setup()
     init()
@@ -173,7 +173,7 @@ def run_rank(cfg: TrainConfig, run_dir: Path) -> dict:
 
 
 def _train(cfg: TrainConfig, run_dir: Path, rank: int, world: int, roll) -> dict:
-    from fullshard.mindspore import load_checkpoint, memory_report
+    from fullshard.mindspore import memory_report
     from fullshard.models.gpt_mindspore import count_units
 
     corpus = ByteCorpus.load(cfg.data)
@@ -207,7 +207,7 @@ def _train_steps(cfg: TrainConfig, model, optimizer, corpus: ByteCorpus, seq_len
     """Steps ``result.start_step`` to ``cfg.steps``: losses, traffic, gradient bytes and speed into ``result``."""
     import mindspore as ms
 
-    from fullshard.core.traffic import reset_traffic, traffic_bytes
+    from fullshard.core.buffers import reset_traffic, traffic_bytes
     from fullshard.mindspore import clip_grad_norm, save_checkpoint
 
     rank, world, start = result.rank, result.world, result.start_step
@@ -278,8 +278,8 @@ def reference_losses(cfg: TrainConfig) -> dict[int, float]:
 
 def launch(cfg: TrainConfig, nodes: Nodes, run_dir: Path, follow=print) -> list[dict]:
     """Train on this node's msrun workers; the results of every rank on node 0, of this node's ranks on the others
-    (raises ``fullshard.core.msrun.WorkerFailed``)."""
-    from fullshard.core.msrun import launch as msrun
+    (raises ``fullshard.train.msrun.WorkerFailed``)."""
+    from fullshard.train.msrun import launch as msrun
 
     run_dir.mkdir(parents=True, exist_ok=True)
     for stale in (*run_dir.glob("result_*.json"), *run_dir.glob("rank_*.pid"), run_dir / PROGRESS_FILE,

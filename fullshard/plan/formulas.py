@@ -1,76 +1,16 @@
-"""Sharding strategies by name, as lifecycle flags, with their memory and traffic (pure).
+"""The memory and traffic formulas every report takes its figures from, and what a runtime's reduction or an
+emulated collective really carries (pure).
 
-The names are those of Megatron-FSDP's ``data_parallel_sharding_strategy``
-(and of the seed's configuration). Each one is a set of flags on the same
-runtime:
-
-=====================  ==============  =================  ==================  ===================
-strategy               stored params   reshard after fwd  reshard after bwd   gradient reduction
-=====================  ==============  =================  ==================  ===================
-no_shard (DDP)         replicated      no (never gathered) no                  all-reduce, per group
-optim (ZeRO-1)         sharded         no                 no (kept, refreshed) reduce-scatter, once at end of backward
-optim_grads (ZeRO-2)   sharded         no                 no (kept, refreshed) reduce-scatter, per group
-optim_grads_params     sharded         yes (not root)     yes                 reduce-scatter, per group
-=====================  ==============  =================  ==================  ===================
-
-"Kept, refreshed": the unsharded parameters stay allocated across steps and
-are all-gathered again (into the same storage) in the first forward after a
-synced backward, since the optimizer changed the shards in between.
+``per_rank_theory`` is ZeRO's: what a rank holds and moves per step for a strategy; ``report_theory`` is what
+both runtimes' ``memory_report`` put next to what they measured; ``carried_traffic`` is what a backend's
+collectives (emulations included) carry for a payload.
 """
 from __future__ import annotations
 
-import enum
-from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Sequence
 
-
-class Strategy(enum.Enum):
-    NO_SHARD = "no_shard"
-    OPTIM = "optim"
-    OPTIM_GRADS = "optim_grads"
-    OPTIM_GRADS_PARAMS = "optim_grads_params"
-
-    @classmethod
-    def parse(cls, name: "str | Strategy") -> "Strategy":
-        if isinstance(name, Strategy):
-            return name
-        try:
-            return cls(name)
-        except ValueError:
-            names = ", ".join(repr(s.value) for s in cls)
-            raise ValueError(f"unknown strategy {name!r}; choose one of {names}") from None
-
-
-class AfterBackward(enum.Enum):
-    """What a unit does with its gathered parameters once its backward is done."""
-
-    RESHARD = "reshard"  # free them (ZeRO-3)
-    # Keep the storage but show the shards, and gather into it again before the next use: after a
-    # synced backward the optimizer steps (ZeRO-1/2; without sync they stay gathered, accumulating).
-    KEEP_STORAGE = "keep storage"
-    # Keep them gathered for the next forward, synced or not (FSDP2's set_reshard_after_backward(False),
-    # for accumulation): the caller promises no write below autograd before then; a write through it
-    # (an optimizer step) still moves a version counter and gathers again.
-    KEEP_GATHERED = "keep gathered"
-
-
-@dataclass(frozen=True)
-class Lifecycle:
-    reshard_after_forward: bool
-    reshard_after_backward: bool
-    all_reduce: bool  # True: all-reduce full gradients (replicated); False: reduce-scatter
-    reduce_at_end_of_backward: bool  # True: one reduction pass after the whole backward (ZeRO-1)
-
-
-def lifecycle(strategy: Strategy, is_root: bool, reshard_after_forward: Optional[bool] = None) -> Lifecycle:
-    """The flags of ``strategy``; an explicit ``reshard_after_forward`` (FSDP2's argument) wins."""
-    if strategy is Strategy.NO_SHARD:
-        return Lifecycle(False, False, True, False)
-    if strategy is Strategy.OPTIM_GRADS_PARAMS:
-        after_forward = (not is_root) if reshard_after_forward is None else reshard_after_forward
-        return Lifecycle(after_forward, True, False, False)
-    after_forward = False if reshard_after_forward is None else reshard_after_forward
-    return Lifecycle(after_forward, False, False, strategy is Strategy.OPTIM)
+from fullshard.plan.exchange import Collectives, Exchange, choose_exchange, wire_dtype
+from fullshard.plan.group import Strategy
 
 
 def peak_state_bytes(
@@ -174,7 +114,7 @@ def per_rank_theory(
     ``replica_reduce_bytes``, by default ``reduce_bytes``); ``sent``: :func:`bytes_sent_per_rank` of
     the shard group's traffic over ``world`` ranks and of the replicas' all-reduce over ``replicas``.
     ``largest_unit`` counts the root's own parameters as a unit too. ``presence_numel``: the counts a rank's
-    chunk of each reduction carries beyond the gradients (``plan.layout.BucketLayout.with_presence``), which
+    chunk of each reduction carries beyond the gradients (``plan.group.BucketLayout.with_presence``), which
     travel with the gradients, in their dtype.
     """
     compute = param_bytes if compute_bytes is None else compute_bytes
@@ -203,3 +143,80 @@ def replica_all_reduce(strategy: Strategy, world: int, num_params: int, replicas
         return {"all_reduce": 0.0, "sent": 0.0}
     payload = float(num_params * reduce_bytes / world)
     return {"all_reduce": payload, "sent": bytes_sent_per_rank({"all_reduce": payload}, replicas)}
+
+
+DTYPE_BYTES = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2}
+
+
+def gradient_wire_bytes(
+    all_reduce: bool, backend: str, device_type: str, group_size: int, grad_dtype: str, reduce_dtype: str,
+    override: Optional[str] = None,
+) -> int:
+    """Bytes per gradient element a rank's reduction carries (the traffic formulas' ``reduce_bytes``).
+
+    ``all_reduce``: replicated parameters (``no_shard``), all-reduced in place in the reduce dtype.
+    """
+    if all_reduce:
+        return DTYPE_BYTES[reduce_dtype]
+    exchange = choose_exchange(backend, device_type, group_size, override)
+    return DTYPE_BYTES[wire_dtype(exchange, grad_dtype, reduce_dtype)]
+
+
+def carried_traffic(payload: dict[str, float], collectives: Collectives, replica_payload: float = 0.0) -> dict[str, float]:
+    """What the collectives of ``collectives`` really carry for the theoretical ``payload``, by the kind
+    of collective that carries it (each buffer at its full size, as the traffic meter counts them).
+
+    An emulated reduce-scatter is an all-reduce of the same buffer, and so is an emulated sub-group
+    gather; ``replica_payload`` (HSDP: each reduced chunk summed across replicas) is an all-reduce too.
+    Passing the result to :func:`fullshard.plan.formulas.bytes_sent_per_rank` gives what the
+    emulation sends, next to what the payload needs.
+    """
+    carried = {"all_gather": 0.0, "reduce_scatter": 0.0, "all_reduce": replica_payload}
+    if collectives.gather is Exchange.LOCAL:  # a group of one moves nothing; replicas may still sum
+        return carried
+    carried["all_reduce"] += payload.get("all_reduce", 0.0)
+    gather, reduce = payload.get("all_gather", 0.0), payload.get("reduce_scatter", 0.0)
+    carried["all_reduce" if collectives.gather is Exchange.ZERO_FILLED_ALL_REDUCE else "all_gather"] += gather
+    carried["all_reduce" if collectives.reduce is Exchange.ALL_REDUCE_CHUNK else "reduce_scatter"] += reduce
+    return carried
+
+
+def report_theory(
+    strategy: Strategy,
+    world: int,
+    unit_params: Sequence[int],
+    root_params: int,
+    *,
+    other_params: int = 0,
+    param_bytes: int,
+    compute_bytes: int,
+    reduce_bytes: int,
+    adam: bool,
+    collectives: Optional[Collectives] = None,
+    replicas: int = 1,
+    replica_reduce_bytes: Optional[int] = None,
+    presence_numel: int = 0,
+) -> dict:
+    """Memory, traffic and bytes sent per rank for a model of ``unit_params`` (one entry per fully_shard
+    unit, the root's own parameters included) plus ``other_params`` fullshard leaves alone, sharded over
+    ``world`` ranks and (HSDP) replicated ``replicas`` times.
+
+    Adam keeps two moments per parameter in the parameters' dtype. With ``collectives`` (a backend
+    that emulates some of them), ``carried``/``carried_sent`` say what the chosen collectives really
+    move for that traffic.
+    """
+    theory = per_rank_theory(
+        strategy, world, sum(unit_params) + other_params, max(unit_params), root_params,
+        param_bytes=param_bytes, optim_bytes=2 * param_bytes if adam else 0, compute_bytes=compute_bytes,
+        reduce_bytes=reduce_bytes, replicas=replicas, replica_reduce_bytes=replica_reduce_bytes,
+        presence_numel=presence_numel,
+    )
+    figures = {"memory": theory["memory"], "traffic": theory["traffic"], "sent": theory["sent"],
+               "replica": theory["replica"]}
+    if collectives is not None:
+        replica = theory["replica"]
+        in_group = {**theory["traffic"], "all_reduce": theory["traffic"]["all_reduce"] - replica["all_reduce"]}
+        carried_in_group = carried_traffic(in_group, collectives)
+        figures.update(carried=carried_traffic(in_group, collectives, replica["all_reduce"]),
+                       carried_sent=bytes_sent_per_rank(carried_in_group, world) + replica["sent"])
+    return figures

@@ -1,5 +1,6 @@
-"""Memory of the torch benchmark's contenders: live tensor bytes on CPU (profiler replay) or CUDA, the
-training state by storage, and the sampled communication storage of libraries without a meter."""
+"""What the torch benchmark measures of its contenders: the payload of every ``torch.distributed`` collective,
+live tensor bytes on CPU (profiler replay) or CUDA, the training state by storage, and the sampled
+communication storage of libraries without a meter."""
 from __future__ import annotations
 
 import contextlib
@@ -7,10 +8,79 @@ import os
 import sys
 import time
 import weakref
-from typing import Callable, Iterable, Iterator
+from collections import Counter
+from typing import Callable, Iterable, Iterator, Optional
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
+
+from fullshard.bench.report import POINT_TO_POINT
+
+
+# Name -> (kind, the argument whose full size is the payload). The deprecated
+# names forward to the new ones inside distributed_c10d, not through these
+# module attributes, so every call is counted exactly once.
+_COLLECTIVES = {
+    "all_gather_single": ("all_gather", "output_tensor"),
+    "all_gather_into_tensor": ("all_gather", "output_tensor"),
+    "_all_gather_base": ("all_gather", "output_tensor"),
+    "reduce_scatter_single": ("reduce_scatter", "input"),
+    "reduce_scatter_tensor": ("reduce_scatter", "input"),
+    "_reduce_scatter_base": ("reduce_scatter", "input"),
+    "all_reduce": ("all_reduce", "tensor"),
+    # Point-to-point: a send counts the bytes it sends; receives are only watched (memory phase).
+    "isend": (POINT_TO_POINT, "tensor"),
+    "send": (POINT_TO_POINT, "tensor"),
+    "irecv": (None, "tensor"),
+    "recv": (None, "tensor"),
+}
+
+
+class CollectiveMeter:
+    """Payload bytes of every ``torch.distributed`` collective (and bytes sent point to point) while counting.
+
+    Install it before any library runs: fullshard, FSDP2 and DDP's comm hook
+    all look these functions up in ``torch.distributed`` at each call.
+    """
+
+    def __init__(self) -> None:
+        self._counts: Optional[Counter] = None  # the step being counted, if any
+        # Called with every collective's tensors (the memory phase's trackers).
+        self.watchers: list[Callable[[list[torch.Tensor]], None]] = []
+
+    def install(self) -> None:
+        import inspect
+
+        for name, (kind, arg) in _COLLECTIVES.items():
+            original = getattr(dist, name, None)
+            if original is not None:
+                position = list(inspect.signature(original).parameters).index(arg)
+                setattr(dist, name, self._wrap(original, kind, arg, position))
+
+    def _wrap(self, original: Callable, kind: str, arg: str, position: int) -> Callable:
+        def counted(*args, **kwargs):
+            result = original(*args, **kwargs)
+            if self._counts is not None and kind is not None:
+                payload = args[position] if len(args) > position else kwargs[arg]
+                self._counts[kind] += payload.numel() * payload.element_size()
+            if self.watchers:
+                tensors = [t for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor)]
+                for watch in self.watchers:
+                    watch(tensors)
+            return result
+
+        counted.__wrapped__ = original
+        return counted
+
+    @contextlib.contextmanager
+    def counting(self) -> Iterator[Counter]:
+        """Count the bytes of the collectives issued inside the block, by kind, into the yielded Counter."""
+        self._counts = counts = Counter()
+        try:
+            yield counts
+        finally:
+            self._counts = None
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:

@@ -1,34 +1,37 @@
-"""Do all ranks hold the same model, set up the same way? A fixed-size check both runtimes run alike, with sums only.
+"""What ``fully_shard`` checks, written once for both runtimes: its arguments and the parameters it takes over,
+before it changes anything; and, at the root's first forward, that every rank set it up alike.
 
-Each rank describes what it wrapped as :class:`Row` s, one per setting that
-changes what or how the ranks communicate (:func:`describe_model`: a unit's
-strategy and dtypes, a group's mesh, exchange and fusion, a parameter's
-shape, shard dim, dtypes and trainability, ...), and hashes them (SHA-256).
-The ranks then sum, per piece of the hash, the piece and its square, and a
-1 (which counts them). All ranks hold the same piece ``p`` exactly when the
-sum of ``(x - p) ** 2`` over them, ``sum(x*x) - 2*p*sum(x) + n*p*p``, is zero;
-every rank sees the same sums, so every rank sees a disagreement, whichever
-rank differs.
+Each argument check raises with a message that names the module (or cell) and the parameter, what is wrong
+and the fix. A runtime passes its own exception type where its users' code expects one (torch's FSDP2 raises
+``AssertionError`` subclasses in some places), and the words of its framework ("forward" or "construct").
 
-Nothing is unpickled and nothing but a float sum travels, so the check runs
-on every backend and group (MindSpore's CPU backend sums float32 only, and
-gathers on the world group only). Pieces are small enough that every sum is
-an integer a float32 carries exactly (below 2**24). The size of every vector
-follows from the world size and from what earlier sums told every rank alike,
-never from a rank's own settings, so ranks that disagree still exchange
-vectors of one size and end the check together.
+Do all ranks hold the same model, set up the same way? A fixed-size check both runtimes run alike, with sums
+only. Each rank describes what it wrapped as :class:`Row` s, one per setting that changes what or how the
+ranks communicate (:func:`describe_model`: a unit's strategy and dtypes, a group's mesh, exchange and fusion,
+a parameter's shape, shard dim, dtypes and trainability, ...), and hashes them (SHA-256). The ranks then sum,
+per piece of the hash, the piece and its square, and a 1 (which counts them). All ranks hold the same piece
+``p`` exactly when the sum of ``(x - p) ** 2`` over them, ``sum(x*x) - 2*p*sum(x) + n*p*p``, is zero; every
+rank sees the same sums, so every rank sees a disagreement, whichever rank differs.
 
-Only when the hashes differ, three more sums find and name the first
-setting that differs: the number of rows of every rank (each rank writes its
-own slot), the first row whose CRC32 differs, and that row's text from every
-rank, so every rank raises one error naming the setting and each rank's value.
+Nothing is unpickled and nothing but a float sum travels, so the check runs on every backend and group
+(MindSpore's CPU backend sums float32 only, and gathers on the world group only). Pieces are small enough
+that every sum is an integer a float32 carries exactly (below 2**24). The size of every vector follows from
+the world size and from what earlier sums told every rank alike, never from a rank's own settings, so ranks
+that disagree still exchange vectors of one size and end the check together. Only when the hashes differ,
+three more sums find and name the first setting that differs: the number of rows of every rank (each rank
+writes its own slot), the first row whose CRC32 differs, and that row's text from every rank, so every rank
+raises one error naming the setting and each rank's value. (:class:`Ranks` and :func:`gather_texts` serve the
+checkpoint's shared failures too.)
 """
 from __future__ import annotations
 
 import hashlib
 import zlib
 from dataclasses import dataclass
-from typing import Any, Callable, NamedTuple, Sequence
+from typing import Any, Callable, NamedTuple, Sequence, Union
+
+from fullshard.core.unit import UNIT_ATTR, Named
+from fullshard.plan.group import Strategy
 
 # A sum of float32 values over every rank that holds the model: what each runtime supplies.
 SumOverRanks = Callable[[list[float]], list[float]]
@@ -262,3 +265,114 @@ def _param_settings(param: Any) -> dict[str, Any]:
         "compute dtype": param.compute_dtype,
         "requires_grad": param.requires_grad,
     }
+
+
+# ---------------------------------------------------------------------------------------------- arguments
+def check_modules(modules: Sequence[Any], name: str, *, is_module: Callable[[Any], bool], kind: str,
+                  is_container: Callable[[Any], bool], forward: str, word: str = "module",
+                  applied_twice: type = ValueError) -> None:
+    """Every module is a module of the framework (``kind``), not a container that is never called, and not
+    sharded yet. ``word``: what the framework calls a module ("module", "cell")."""
+    for module in modules:
+        if not is_module(module):
+            raise TypeError(f"fully_shard expects {kind}, got {type(module).__name__}")
+        if is_container(module):
+            raise ValueError(
+                f"fully_shard does not support containers that do not implement {forward}: "
+                f"{type(module).__name__} is never called, so its parameters would never be gathered; shard the "
+                f"{word}s it holds, or pass them as a list to form one group: fully_shard(list(container), ...)"
+            )
+        if hasattr(module, UNIT_ATTR):
+            raise applied_twice(
+                f"Each distinct composable distributed API can only be applied to a module once. fully_shard was "
+                f"already applied to {name}; apply it once per {word} (children first, then parents)"
+            )
+
+
+def parse_strategy(strategy: Union[str, Strategy, None], name: str) -> Strategy:
+    try:
+        return Strategy.parse(strategy if strategy is not None else Strategy.OPTIM_GRADS_PARAMS)
+    except ValueError as error:
+        raise ValueError(f"fully_shard({name}): {error}") from None
+
+
+def check_reshard_after_forward(value: Any, name: str, allow_int: bool) -> None:
+    allowed = (bool, int) if allow_int else (bool,)
+    if value is not None and not isinstance(value, allowed):
+        choices = "True, False, None or an int (the size of the group to reshard to after forward)" if allow_int \
+            else "True, False or None"
+        raise ValueError(f"fully_shard({name}): reshard_after_forward={value!r} must be {choices}")
+
+
+def check_not_managed(managed: bool, sharded_by_parent: bool, fqn: str, name: str) -> None:
+    """A parameter some fully_shard call took over already would be sharded twice and silently untied."""
+    if managed and sharded_by_parent:
+        raise ValueError(
+            f"fully_shard({name}): parameter '{fqn}' is already sharded by fully_shard on a parent module; apply "
+            "fully_shard to children first, then to their parents"
+        )
+    if managed:
+        raise ValueError(
+            f"fully_shard({name}): parameter '{fqn}' is already managed by another fully_shard unit (it is shared "
+            "with a module fully_shard was applied to); tied parameters must belong to one unit: apply fully_shard "
+            "to their common parent only, or to both modules as one group: fully_shard([module_a, module_b])"
+        )
+
+
+def shard_dim(placement: Any, shard_type: type, shape: Sequence[int], fqn: str, name: str,
+              out_of_range: type = ValueError) -> int:
+    """The tensor dim ``shard_placement_fn``'s answer (``Shard(dim)`` or None: dim 0) cuts, negative dims
+    counted from the end; a scalar cannot be cut on any dim."""
+    if not shape:
+        raise ValueError(
+            f"fully_shard({name}): parameter '{fqn}' is a scalar and cannot be sharded. Change "
+            f"{fqn.rpartition('.')[2]} to a 1D tensor with numel equal to 1, or pass it in ignored_params"
+        )
+    if placement is None:
+        return 0
+    if not isinstance(placement, shard_type):
+        raise ValueError(
+            f"fully_shard({name}): shard_placement_fn returned {placement!r} for '{fqn}'; it must return "
+            "Shard(dim) or None"
+        )
+    ndim = len(shape)
+    dim = placement.dim + ndim if placement.dim < 0 else placement.dim
+    if not 0 <= dim < ndim:
+        raise out_of_range(
+            f"Shard dim {placement.dim} is invalid for {ndim}D tensor: fully_shard({name}): shard_placement_fn "
+            f"returned Shard({placement.dim}) for '{fqn}' of shape {tuple(shape)}; the dim must be in "
+            f"[-{ndim}, {ndim - 1}]"
+        )
+    return dim
+
+
+def owners_of_params(
+    tops: list[Any],
+    own_params: Callable[[Any], Named],
+    children: Callable[[Any], Named],
+    ignored: frozenset[int] = frozenset(),
+) -> tuple[dict[int, list[tuple[Any, str, str]]], dict[int, Any]]:
+    """Every (module, attribute name, path) holding each parameter under ``tops``, by ``id``.
+
+    Modules that are units already (their own ``fully_shard`` ran) are skipped with everything below them, and
+    so are the parameters in ``ignored``. A parameter held by several modules (tied weights) lists each holder.
+    With several tops (one group of several modules), paths start with ``[i].``.
+    """
+    owners: dict[int, list[tuple[Any, str, str]]] = {}
+    params: dict[int, Any] = {}
+
+    def visit(module: Any, prefix: str, is_top: bool) -> None:
+        if not is_top and hasattr(module, UNIT_ATTR):
+            return
+        for name, param in own_params(module):
+            if param is None or id(param) in ignored:
+                continue
+            params[id(param)] = param
+            owners.setdefault(id(param), []).append((module, name, prefix + name))
+        for child_name, child in children(module):
+            if child is not None:
+                visit(child, f"{prefix}{child_name}.", False)
+
+    for index, top in enumerate(tops):
+        visit(top, f"[{index}]." if len(tops) > 1 else "", True)
+    return owners, params

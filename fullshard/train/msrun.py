@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 from typing import Callable, Optional
 
-from fullshard.core.procs import descendants, free_port
+from fullshard.train.procs import descendants, free_port
 
 RUN_DIR_ENV = "FULLSHARD_MSRUN_DIR"
 NODE_RANK_ENV = "FULLSHARD_NODE_RANK"
