@@ -32,7 +32,7 @@ class GatherState(enum.Enum):
 
 _GATHERED = (GatherState.UNSHARDED, GatherState.KEPT)
 
-# (from, event, to): every move of a group's state this module makes (tests/test_lifecycle.py records each move
+# (from, event, to): every move of a group's state this module makes (tests/core/test_lifecycle.py records each move
 # of every scenario against it); docs/design.md draws it, and a test keeps the drawing equal to it.
 GATHER_TRANSITIONS = (
     (GatherState.SHARDED, "unshard (issue the gathers)", GatherState.UNSHARDING),

@@ -45,7 +45,7 @@ class TrainingPhase(enum.Enum):
         return self.value
 
 
-# (from, event, to): every move of a unit's phase this module makes (tests/test_lifecycle.py records each move
+# (from, event, to): every move of a unit's phase this module makes (tests/core/test_lifecycle.py records each move
 # of every scenario against it); docs/design.md draws it, and a test keeps the drawing equal to it.
 TRANSITIONS = (
     (TrainingPhase.IDLE, "pre-forward (gather)", TrainingPhase.PRE_FORWARD),

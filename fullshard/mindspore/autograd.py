@@ -12,7 +12,7 @@
   half-built when it raised: ``value_and_grad`` opens it and closes it only
   when the function returns, so without this the next ``value_and_grad``
   records inside the broken one and its backward fails (``LayerNormGrad``
-  index errors, also without fullshard; ``tests/test_mindspore_facts.py``).
+  index errors, also without fullshard; ``tests/mindspore/test_facts.py``).
 
 All four are private MindSpore API; a MindSpore upgrade that changes them
 breaks here, and only here.
