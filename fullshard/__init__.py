@@ -11,6 +11,7 @@ _EXPORTS = {
     "fully_shard": "fullshard.torch.api",
     "FSDPModule": "fullshard.torch.unit",
     "UnshardHandle": "fullshard.torch.unit",
+    "GradientReductionHandle": "fullshard.torch.finalize",
     "register_fsdp_forward_method": "fullshard.torch.unit",
     "MixedPrecisionPolicy": "fullshard.torch.policies",
     "OffloadPolicy": "fullshard.torch.policies",

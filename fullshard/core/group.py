@@ -62,6 +62,8 @@ class Group:
         self.reduce_grads = True  # set_requires_gradient_sync
         self.all_reduce_grads = True  # set_requires_all_reduce (HSDP)
         self.reduce_unused_params = False  # set_reduce_scatter_unused_params
+        # set_keep_unsharded_storage: a reshard keeps the storage (STALE), so gathers reuse its addresses.
+        self.keep_unsharded_storage = False
 
     # ------------------------------------------------------------------ framework operations
     def _start_gather(self) -> None:
@@ -154,6 +156,9 @@ class Group:
         may keep this rank's chunks for the backward gather)."""
         self.wait()
         if self.state is GatherState.SHARDED:
+            return
+        if self.keep_unsharded_storage:
+            self.mark_stale()
             return
         self._free(after_forward and self.state is GatherState.UNSHARDED)
         self.state = GatherState.SHARDED

@@ -421,13 +421,17 @@ class Root:
     def end_of_backward(self) -> None:
         """The framework's last callback of the backward: reduce what no post-backward did, wait, reshard."""
         with self.unit._profile("fullshard::root end of backward"):
-            for unit in self.units:
-                unit.reduce_leftovers()
-            # ZeRO-1 reduces every unit once, here, in the same order on every rank.
-            for unit in reversed(self.units):
-                if unit.reduces_at_end_of_backward and any(g.reduce_grads for g in unit.groups):
-                    self.start_reduce(unit)
+            self.reduce_what_is_left()
             self.complete_backward()
+
+    def reduce_what_is_left(self) -> None:
+        """Start reducing what no post-backward did (also where a caller finalizes the step itself)."""
+        for unit in self.units:
+            unit.reduce_leftovers()
+        # ZeRO-1 reduces every unit once, here, in the same order on every rank.
+        for unit in reversed(self.units):
+            if unit.reduces_at_end_of_backward and any(g.reduce_grads for g in unit.groups):
+                self.start_reduce(unit)
 
     def complete_backward(self) -> None:
         """Wait for the reductions in flight, then reshard or keep, as each group's policy says."""

@@ -39,9 +39,10 @@ from fullshard.core.module import FSDPModuleMethods
 from fullshard.core.trees import leaves_in, map_leaves
 from fullshard.core.unit import UNIT_ATTR, Root, TrainingPhase, Unit, named_under
 from fullshard.plan.group import Strategy
-from fullshard.torch import checks
+from fullshard.torch import checks, finalize
 from fullshard.torch.collectives import ranks_summing_over
 from fullshard.torch.errors import DeepcopyError
+from fullshard.torch.finalize import FinalizationMethods
 from fullshard.torch.group import ParamGroup
 from fullshard.torch.policies import MixedPrecisionPolicy
 
@@ -74,9 +75,31 @@ class StepRoot(Root):
     def __init__(self, root: "ShardedUnit") -> None:
         super().__init__(root)
         self.post_optim_event: Any = None  # FSDPModule.set_post_optim_event
+        # set_manual_backward_finalization as latched when a backward started (None: none since the last end of
+        # a step), and the handle of an asynchronous finalize_backward not yet waited on (finalize.py).
+        self.manual_active: Optional[bool] = None
+        self.reduction_handle: Any = None
 
     def _queue_end_of_backward(self) -> None:
-        Variable._execution_engine.queue_callback(self.end_of_backward)
+        if self.manual_active is None:
+            self.manual_active = self.unit.manual_finalization
+        Variable._execution_engine.queue_callback(self._backward_done)
+
+    def _backward_done(self) -> None:
+        if self.manual_active:
+            finalize.defer_end_of_backward(self)  # the caller ends the step: FSDPModule.finalize_backward
+        else:
+            self.manual_active = None
+            self.end_of_backward()
+
+    def check_not_in_backward(self, what: str) -> None:
+        if self.reduction_handle is not None:
+            raise RuntimeError("The previous gradient reduction must be waited on before forward")
+        super().check_not_in_backward(what)
+
+    def reset_step(self) -> None:
+        self.manual_active = self.reduction_handle = None  # an outstanding handle's wait() raises from now on
+        super().reset_step()
 
     def _before_gathers(self) -> None:
         if self.post_optim_event is not None:
@@ -95,6 +118,8 @@ class StepRoot(Root):
 
     def check_ranks_agree(self, units: list) -> None:
         """Every rank of the model compares the settings of ``units`` (``fullshard.core.checks``)."""
+        if any(unit.manual_finalization for unit in units if unit is not self.unit):
+            raise RuntimeError("set_manual_backward_finalization must be called on the root FSDP module")
         groups = [group for unit in units for group in unit.groups]
         if not groups:
             return
@@ -153,6 +178,7 @@ def _model_ranks(groups: list[ParamGroup]) -> Ranks:
 
 class ShardedUnit(Unit):
     root_class, active = StepRoot, _active
+    manual_finalization = False  # FSDPModule.set_manual_backward_finalization (the root's counts)
 
     def __init__(
         self,
@@ -291,7 +317,7 @@ class UnshardHandle(core_module.UnshardHandle, torch_fsdp.UnshardHandle):
     ``isinstance``)."""
 
 
-class FSDPModule(FSDPModuleMethods, torch_fsdp.FSDPModule):
+class FSDPModule(FSDPModuleMethods, FinalizationMethods, torch_fsdp.FSDPModule):
     """Mixin added to every module ``fully_shard`` was applied to (a dynamic subclass).
 
     It subclasses PyTorch's ``FSDPModule`` so that code finding FSDP modules with ``isinstance`` (torchtitan,
@@ -301,8 +327,8 @@ class FSDPModule(FSDPModuleMethods, torch_fsdp.FSDPModule):
     """
 
     # Where PyTorch's __new__ finds the original class in the MRO:
-    # [FSDP<Orig>, this class, FSDPModuleMethods, torch's FSDPModule, Orig, ...]
-    _orig_cls_mro_index = 4
+    # [FSDP<Orig>, this class, FSDPModuleMethods, FinalizationMethods, torch's FSDPModule, Orig, ...]
+    _orig_cls_mro_index = 5
     unshard_handle = UnshardHandle
 
     def _modules_in_reach(self, recurse: bool) -> Iterable[nn.Module]:
