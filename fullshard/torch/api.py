@@ -169,8 +169,10 @@ def as_mp_policy(policy: object, module_name: str) -> MixedPrecisionPolicy:
                 f"fully_shard({module_name}): mp_policy must be a fullshard.MixedPrecisionPolicy "
                 f"or torch's MixedPrecisionPolicy, got {type(policy).__name__}"
             )
+        # every field torch's policy has (2.15 added param_dtype_override_fn, which must not be dropped)
         result = MixedPrecisionPolicy(
-            policy.param_dtype, policy.reduce_dtype, policy.output_dtype, policy.cast_forward_inputs
+            policy.param_dtype, policy.reduce_dtype, policy.output_dtype, policy.cast_forward_inputs,
+            param_dtype_override_fn=getattr(policy, "param_dtype_override_fn", None),
         )
     for field in ("param_dtype", "reduce_dtype", "output_dtype", "main_dtype"):
         dtype = getattr(result, field)
@@ -179,6 +181,10 @@ def as_mp_policy(policy: object, module_name: str) -> MixedPrecisionPolicy:
                 f"fully_shard({module_name}): MixedPrecisionPolicy.{field}={dtype!r} is not a "
                 "floating-point torch.dtype; use e.g. torch.bfloat16 or torch.float32, or None"
             )
+    override = result.param_dtype_override_fn
+    if override is not None and not callable(override):
+        raise ValueError(f"fully_shard({module_name}): MixedPrecisionPolicy.param_dtype_override_fn must be callable "
+                         f"(parameter -> torch.dtype or None), got {override!r}")
     return result
 
 
@@ -367,7 +373,10 @@ def _plan_params(modules: list[nn.Module], args: _Arguments, shard_placement_fn:
         dim = shard_dim(placement, Shard, tuple(param.shape), fqn, args.name, ShardDimError)
         spec = sharded_spec(param, fqn, args.name, args.dp, dim, args.replicated)
         local_shape = param._local_tensor.shape if isinstance(param, DTensor) else param.shape
-        plans.append((param, fqn, spec, ShardLayout(tuple(local_shape), dim, 1 if args.replicated else args.dp.shard_size)))
+        # the override is asked once per parameter, before anything changes (its errors leave the model as it was)
+        compute = args.mp.compute_dtype_of(param) if args.mp.param_dtype_override_fn else args.mp.param_dtype
+        plans.append((param, fqn, spec, ShardLayout(tuple(local_shape), dim, 1 if args.replicated else args.dp.shard_size),
+                      compute))
     return owners, plans
 
 
@@ -379,10 +388,10 @@ def _apply(modules: list[nn.Module], args: _Arguments, owners: dict, plans: list
                 m.get_submodule(buffer_name.rpartition(".")[0])._buffers[buffer_name.rpartition(".")[2]] = \
                     buffer.to(args.device)
     sharded = []
-    for param, fqn, spec, layout in plans:
+    for param, fqn, spec, layout, compute_dtype in plans:
         holders = [(owner, attr) for owner, attr, _ in owners[id(param)]]
         sharded.append(ShardedParam(param, holders, fqn, layout, spec, 0 if args.replicated else args.dp.shard_rank,
-                                    args.device, args.mp.param_dtype, args.pin_memory, args.mp.main_dtype))
+                                    args.device, compute_dtype, args.pin_memory, args.mp.main_dtype))
         _mark_managed(param)
         _mark_managed(sharded[-1].sharded)
     group = _group(sharded, args) if sharded else None

@@ -6,10 +6,20 @@ those): ``fully_shard`` converts and checks them (``api.py``).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Optional
+from dataclasses import dataclass, field, fields
+from typing import Callable, Optional
 
 import torch
+import torch.nn as nn
+from torch.distributed import fsdp as _torch_fsdp
+
+# What the installed torch's FSDP2 means, read once at import (2.15 added the override field to its policy, and
+# the gradient-dtype policies FSDP2 follows since then; 2.13 and 2.14 have neither).
+TORCH_HAS_PARAM_DTYPE_OVERRIDE = "param_dtype_override_fn" in {f.name for f in fields(_torch_fsdp.MixedPrecisionPolicy)}
+# FSDP2 2.15: with reduce_dtype=None the gradients are reduced in the promoted dtype they accumulate in (the
+# parameter's own, or its explicit ``Tensor.grad_dtype``), not in param_dtype; and reset_iter_state drops the
+# reduced sharded gradients too. 2.13/2.14 reduce in param_dtype and keep them.
+TORCH_PROMOTES_REDUCE_DTYPE = hasattr(torch.Tensor, "_has_grad_dtype_override")
 
 
 @dataclass(frozen=True)
@@ -29,6 +39,10 @@ class MixedPrecisionPolicy:
       in the stored dtype (unless ``param_dtype`` says otherwise) and the
       gradients, reduced in ``reduce_dtype``, reach the optimizer in fp32.
       ``None``: the stored dtype.
+    * ``param_dtype_override_fn`` (FSDP2 2.15, keyword only): called once per parameter at ``fully_shard``;
+      ``None`` or ``param_dtype`` keeps ``param_dtype``, the parameter's own dtype gathers and computes that
+      parameter in it (e.g. an fp32 norm inside a bf16 block). Inputs are still cast to ``param_dtype``. It
+      must answer alike on every rank.
     """
 
     param_dtype: Optional[torch.dtype] = None
@@ -36,6 +50,25 @@ class MixedPrecisionPolicy:
     output_dtype: Optional[torch.dtype] = None
     cast_forward_inputs: bool = True
     main_dtype: Optional[torch.dtype] = None
+    param_dtype_override_fn: Optional[Callable[[nn.Parameter], Optional[torch.dtype]]] = field(
+        default=None, kw_only=True)
+
+    def compute_dtype_of(self, param: nn.Parameter) -> Optional[torch.dtype]:
+        """The dtype ``param`` is gathered and computed in (None: its own), the override asked once."""
+        if self.param_dtype_override_fn is None:
+            return self.param_dtype
+        chosen = self.param_dtype_override_fn(param)
+        if chosen is None:
+            return self.param_dtype
+        # FSDP2's words, so that code matching them keeps working
+        if not isinstance(chosen, torch.dtype):
+            raise ValueError(f"param_dtype_override_fn must return a torch.dtype or None but got {type(chosen)}")
+        if chosen not in (self.param_dtype, param.dtype):
+            raise ValueError(
+                "param_dtype_override_fn must return None, param_dtype, or the parameter's original dtype but got "
+                f"{chosen} for a parameter with dtype {param.dtype} and param_dtype {self.param_dtype}"
+            )
+        return chosen
 
 
 @dataclass(frozen=True)
