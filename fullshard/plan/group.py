@@ -337,6 +337,27 @@ class ParamFacts:
     replica_needs_copy: bool
     # Gathered alone, the way its own hooks say (torch's all-gather extensions: fsdp_pre/post_all_gather).
     travels_alone: bool = False
+    # The dtype its gradient accumulates in when no reduce dtype is set, where the runtime's rule promotes
+    # (:class:`GroupPlan`'s ``promote_grad_dtypes``): its own dtype, or one asked for it explicitly. None: its
+    # compute dtype (the gradient as autograd makes it).
+    accumulation_dtype: Optional[str] = None
+
+
+# Floating dtypes by width; two different ones of one width (float16, bfloat16) meet in float32.
+_FLOAT_WIDTH = {"float16": 16, "bfloat16": 16, "float32": 32, "float64": 64}
+
+
+def promote_float_dtypes(names: Sequence[str]) -> str:
+    """The dtype that holds every dtype of ``names`` (dtype names), as type promotion gives it."""
+    distinct = sorted(set(names))
+    if len(distinct) == 1:
+        return distinct[0]
+    unknown = [n for n in distinct if n not in _FLOAT_WIDTH]
+    if unknown or not distinct:
+        raise ValueError(f"cannot promote the gradient dtypes {distinct}: only {sorted(_FLOAT_WIDTH)} are planned")
+    widest = max(_FLOAT_WIDTH[n] for n in distinct)
+    winners = [n for n in distinct if _FLOAT_WIDTH[n] == widest]
+    return winners[0] if len(winners) == 1 else "float32"
 
 
 class GroupPlan:
@@ -344,11 +365,15 @@ class GroupPlan:
 
     def __init__(self, params: Sequence[Any], facts: Sequence[ParamFacts], module_name: str, owner_kind: str,
                  reduce_dtype: Optional[str], fuse_below_numel: int, collectives: Collectives, backend: Backend,
-                 runtime: RuntimeFacts = TORCH_RUNTIME) -> None:
+                 runtime: RuntimeFacts = TORCH_RUNTIME, promote_grad_dtypes: bool = False) -> None:
         self.params = list(params)
         self.facts = list(facts)
         self.module_name, self.owner_kind = module_name, owner_kind  # owner_kind: "module" or "cell"
-        self._reduce_dtype = reduce_dtype
+        # Without a reduce dtype, the gradients are summed in their compute dtype, each bucket in its own; or,
+        # with ``promote_grad_dtypes`` (the runtime's version of FSDP2 says which: torch 2.15 does), the whole
+        # group in the one dtype that holds every trainable parameter's accumulation dtype (fp32 parameters
+        # computing in bf16 reduce in fp32).
+        self._reduce_dtype = reduce_dtype or (self._promoted_grad_dtype() if promote_grad_dtypes else None)
         self.fuse_below_numel = fuse_below_numel  # gradients this large are reduced alone, too
         self.collectives, self.backend = collectives, backend
         self.layouts = tuple(f.layout for f in facts)
@@ -393,6 +418,10 @@ class GroupPlan:
                 ) from None
 
     # ------------------------------------------------------------------ dtypes
+    def _promoted_grad_dtype(self) -> Optional[str]:
+        dtypes = [f.accumulation_dtype or f.compute_dtype for f in self.facts if f.requires_grad]
+        return promote_float_dtypes(dtypes) if dtypes else None
+
     def reduce_dtype(self, index: int) -> str:
         """What parameter ``index``'s gradients are summed in."""
         return self._reduce_dtype or self.facts[index].compute_dtype

@@ -247,7 +247,7 @@ class PendingReduce:
                     non_blocking = grad_copy_may_be_async(param.pin_memory, param.sharded.grad is not None)
                     # out of the reduced buffer, which is reclaimed below
                     local = collectives.copy_out(
-                        chunk.narrow(layout.dim, 0, layout.local_length(param.rank)), param.stored_dtype,
+                        chunk.narrow(layout.dim, 0, layout.local_length(param.rank)), param.sharded_grad_dtype,
                         param.storage_device, f"sharded gradient of '{param.fqn}' (copied out of {self.label})",
                         non_blocking,
                     )

@@ -31,6 +31,7 @@ from fullshard.torch.collectives import Kind, Owned
 from fullshard.torch.errors import NotMaterializedError
 from fullshard.torch.extensions import ExtensionState, gather_extended
 from fullshard.torch.param import ShardedParam, dtype_name, is_plain
+from fullshard.torch.policies import TORCH_PROMOTES_REDUCE_DTYPE
 
 
 class ParamGroup(Group):
@@ -108,7 +109,8 @@ class ParamGroup(Group):
                                   Exchange.CUSTOM if self.custom_reduce_scatter is not None else self.exchange)
         reduce_dtype = dtype_name(self._reduce_dtype) if self._reduce_dtype is not None else None
         self.plan = GroupPlan(self.params, [p.facts for p in self.params], module_name, "module", reduce_dtype,
-                              DEFAULT_FUSE_BELOW_NUMEL, collectives, TORCH)
+                              DEFAULT_FUSE_BELOW_NUMEL, collectives, TORCH,
+                              promote_grad_dtypes=TORCH_PROMOTES_REDUCE_DTYPE)
         # Outputs of lone all-gathers: the unsharded parameter is a view of them, so they live as long as the
         # plan and are reclaimed on reshard.
         self._view_outputs: list[Optional[Owned]] = [None] * len(self.plan.buckets)
@@ -392,7 +394,7 @@ class ParamGroup(Group):
             grad_dtype_is_wire_dtype=all(g.dtype == wire for g in present),
             # only a plain, contiguous gradient is a collective's buffer as it is (a subclass is packed)
             grads_contiguous=all(is_plain(g) and g.is_contiguous() for g in present),
-            reduce_dtype_is_param_dtype=reduce_dtype == members[0].stored_dtype,
+            reduce_dtype_is_param_dtype=reduce_dtype == members[0].sharded_grad_dtype,
             all_reduce=self.replicated, offloaded=members[0].offloaded, exchange=plan.collectives.reduce,
         ))
         reduction = reduce_bucket(
@@ -421,10 +423,11 @@ class ParamGroup(Group):
         return True
 
     def _abandon_grads(self) -> None:
-        """Forget this step's gradients: unreduced and reduced ones, HSDP partial sums. As in FSDP2, an
-        accumulation in progress is lost with them."""
+        """Forget this step's gradients: unreduced ones, HSDP partial sums and, as the installed FSDP2 does
+        (2.15 on), the reduced sharded ones; 2.13 and 2.14 keep those. As in FSDP2, an accumulation in progress
+        is lost with them."""
         for param in self.params:
-            param.drop_grads()
+            param.drop_grads(reduced=TORCH_PROMOTES_REDUCE_DTYPE)
         for partial in self._partials.values():
             partial.reclaim()
         self._partials.clear()

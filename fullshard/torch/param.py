@@ -35,6 +35,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 
 from fullshard.torch import collectives
 from fullshard.torch.collectives import Kind, Owned
+from fullshard.torch.policies import TORCH_PROMOTES_REDUCE_DTYPE
 from fullshard.plan import ShardLayout, stores_padded_chunk
 from fullshard.plan.group import ParamFacts
 
@@ -192,6 +193,10 @@ class ShardedParam:
         self.main_dtype = main_dtype
         self.param_dtype_policy = compute_dtype  # MixedPrecisionPolicy.param_dtype
         self.compute_dtype = compute_dtype or param.dtype
+        # Tensor.grad_dtype set on the parameter before fully_shard (followed where FSDP2 follows it, 2.15 on):
+        # its gradient accumulates, is reduced and kept in it; explicitly None: in whatever autograd gives.
+        self.has_grad_dtype = TORCH_PROMOTES_REDUCE_DTYPE and bool(param._has_grad_dtype_override)
+        self.grad_dtype: Optional[torch.dtype] = param.grad_dtype if self.has_grad_dtype else None
         self.sharded: nn.Parameter
         # Storage of the sharded parameter holding the whole padded chunk, when
         # the layout allows one (``stores_padded_chunk``); the local shard is a
@@ -245,11 +250,23 @@ class ShardedParam:
             stride=contiguous_stride(self.spec.shape),
         )
         self.sharded = nn.Parameter(dtensor, requires_grad=self.requires_grad)
+        self._apply_grad_dtype(self.sharded)
         # The parameter's own local tensor (from_local and Parameter each make a view of
         # ``local``): what refresh_from_module compares against to see a replacement.
         self._local = self.sharded._local_tensor
         self.extended = self.extension is not None
         self.register_sharded()
+
+    def _apply_grad_dtype(self, sharded: nn.Parameter) -> None:
+        """The sharded parameter carries the gradient dtype asked for (a rebuilt one, without a policy of its
+        own, gets it again), so its ``.grad`` may be in it."""
+        if self.has_grad_dtype and not sharded._has_grad_dtype_override:
+            sharded.grad_dtype = self.grad_dtype
+
+    @property
+    def sharded_grad_dtype(self) -> torch.dtype:
+        """The dtype of the reduced, sharded gradient: the one asked for, or the shard's own."""
+        return self.grad_dtype if self.grad_dtype is not None else self.stored_dtype
 
     @torch.inference_mode(False)  # new storage must be an ordinary tensor even under inference_mode
     def refresh_from_module(self) -> bool:
@@ -296,6 +313,7 @@ class ShardedParam:
             # DTensor keeps no padding: re-create fullshard's padded storage around the new data
             current._local_tensor = self._store_local(current._local_tensor)
         self.sharded, self._local = current, current._local_tensor
+        self._apply_grad_dtype(current)
         self.extended = self.extension is not None
         self.register_sharded()
         return True
@@ -327,9 +345,13 @@ class ShardedParam:
     def facts(self) -> ParamFacts:
         """What the plan knows of this parameter (``fullshard.plan.group``); a replica computes with itself,
         whatever its tensor type, unless it needs another dtype or device."""
+        if self.has_grad_dtype:  # explicitly None: whatever autograd gives, the compute dtype
+            accumulation = self.grad_dtype or self.compute_dtype
+        else:
+            accumulation = self.stored_dtype
         return ParamFacts(self.layout, dtype_name(self.stored_dtype), dtype_name(self.compute_dtype),
                           self.requires_grad, self.converts_for_compute, replica_needs_copy=self.cast_needed,
-                          travels_alone=self.extension is not None)
+                          travels_alone=self.extension is not None, accumulation_dtype=dtype_name(accumulation))
 
     def local_shard(self) -> torch.Tensor:
         return self.sharded.to_local()
@@ -408,14 +430,15 @@ class ShardedParam:
     def has_unreduced_grad(self) -> bool:
         return (self.unsharded is not None and self.unsharded.grad is not None) or self.grad_accumulator is not None
 
-    def drop_grads(self) -> None:
-        """Forget every gradient of this step: unreduced, accumulated and reduced."""
+    def drop_grads(self, reduced: bool = True) -> None:
+        """Forget every gradient of this step: unreduced, accumulated and (``reduced``) reduced."""
         if self.unsharded is not None:
             self.unsharded.grad = None
         if self.grad_accumulator is not None:
             self.grad_accumulator.reclaim()
             self.grad_accumulator = None
-        self.sharded.grad = None
+        if reduced:
+            self.sharded.grad = None
 
     def take_unsharded_grad(self) -> Optional[torch.Tensor]:
         """Take the unsharded gradient: autograd's, summed into the accumulator if there is one."""
