@@ -97,7 +97,10 @@ def run_parity(
     optimizer: Callable = lambda params: torch.optim.SGD(params, lr=0.5, momentum=0.9),
     ref_dtype: Optional[torch.dtype] = None,
     seed: int = 0,
+    finish: Optional[Callable[[nn.Module], None]] = None,
 ) -> ParityResult:
+    """``finish(model)``: called after each step's backward passes, before the optimizer (e.g. to finalize the
+    backward by hand)."""
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(seed)
     ref = build()
@@ -120,6 +123,8 @@ def run_parity(
             loss = loss_fn(model, part) / micro_batches
             loss.backward()
             total += loss.detach().float()
+        if finish is not None:
+            finish(model)
         norm = None
         if clip is not None:
             norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip)

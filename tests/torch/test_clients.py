@@ -19,6 +19,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
 
 from fullshard import fully_shard, register_fsdp_forward_method
+from fullshard.torch.policies import TORCH_PROMOTES_REDUCE_DTYPE
 from fullshard.models.gpt import GPT, Block
 from tests.conftest import Launch, scenario
 from tests.torch.parity import (
@@ -312,7 +313,11 @@ def training_continues_after_a_failed_step():
                 failing()
             handle.remove()
             model.reset_iter_state()
-            assert all(isinstance(p, DTensor) and p.grad is None for p in model.parameters())
+            assert all(isinstance(p, DTensor) for p in model.parameters())
+            # as the installed FSDP2: 2.15 drops the reduced gradients too, 2.13/2.14 keep them (zero_grad does)
+            kept = [p.grad is not None for p in model.parameters()]
+            assert not any(kept) if TORCH_PROMOTES_REDUCE_DTYPE or step == 1 else any(kept), kept
+            optimizer.zero_grad()
         gpt_loss(model, local).backward()
         gpt_loss(reference, batch).backward()
         optimizer.step(), ref_optimizer.step()

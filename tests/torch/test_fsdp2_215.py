@@ -1,0 +1,411 @@
+"""FSDP2 2.15's API on fullshard, whatever torch >= 2.13 is installed (issue 31): manual and asynchronous backward
+finalization, kept unsharded storage, ``param_dtype_override_fn``, and the reduce dtype the installed FSDP2
+chooses, counted at the collective; each against a single-process reference, step by step. A guard fails when
+the installed torch's ``FSDPModule`` or handles gain a public method fullshard does not define itself."""
+from __future__ import annotations
+
+import contextlib
+import copy
+import os
+from dataclasses import fields
+
+import pytest
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed import fsdp as torch_fsdp
+from torch.distributed.tensor import DTensor
+
+import fullshard
+from fullshard import FSDPModule, GradientReductionHandle, MixedPrecisionPolicy, UnshardHandle, fully_shard
+from fullshard.plan.exchange import EXCHANGE_ENV
+from fullshard.torch import collectives
+from fullshard.torch.policies import TORCH_PROMOTES_REDUCE_DTYPE
+from tests.conftest import Launch, scenario
+from tests.torch.parity import build_gpt, gpt_batch, gpt_loss, mesh_1d, run_parity, shard_blocks_then_root
+
+LAUNCH = Launch(world_sizes=(2,))
+TORCH_215 = hasattr(torch_fsdp, "GradientReductionHandle")
+
+
+# ---------------------------------------------------------------------------------------------- the guard
+def _defined_by_fullshard(ours: type, theirs: type) -> set[str]:
+    """Names defined by the classes of ``ours``'s MRO before ``theirs`` (torch's): not inherited from torch."""
+    names: set[str] = set()
+    for cls in ours.__mro__:
+        if cls is theirs:
+            break
+        names |= set(vars(cls))
+    return names
+
+
+@pytest.mark.parametrize("name", ["FSDPModule", "UnshardHandle", "GradientReductionHandle"])
+def test_every_public_method_of_torchs_class_is_defined_by_fullshard(name):
+    """torch's methods would run on FSDP2 state that fullshard's modules do not have (2.15's three new methods
+    crashed with AttributeError); the next torch release that adds one fails here first."""
+    theirs = getattr(torch_fsdp, name, None)
+    if theirs is None:
+        pytest.skip(f"torch {torch.__version__} has no {name}")
+    ours = {"FSDPModule": FSDPModule, "UnshardHandle": UnshardHandle,
+            "GradientReductionHandle": GradientReductionHandle}[name]
+    assert issubclass(ours, theirs), f"fullshard's {name} is not a subclass of torch's (isinstance checks fail)"
+    public = {n for n, v in vars(theirs).items() if not n.startswith("_") and callable(v)}
+    missing = sorted(public - _defined_by_fullshard(ours, theirs))
+    assert not missing, f"torch {torch.__version__}'s {name} has public methods fullshard inherits: {missing}"
+
+
+def test_gradient_reduction_handle_is_exported():
+    assert fullshard.GradientReductionHandle is GradientReductionHandle
+    GradientReductionHandle().wait()  # a handle of nothing waits for nothing, as torch's base class
+    if TORCH_215:
+        assert issubclass(GradientReductionHandle, torch_fsdp.GradientReductionHandle)
+
+
+def test_param_dtype_override_fn_is_carried_over_from_torchs_policy():
+    from fullshard.torch.api import as_mp_policy
+
+    if "param_dtype_override_fn" not in {f.name for f in fields(torch_fsdp.MixedPrecisionPolicy)}:
+        pytest.skip(f"torch {torch.__version__}'s MixedPrecisionPolicy has no param_dtype_override_fn")
+    fn = lambda p: p.dtype  # noqa: E731
+    converted = as_mp_policy(torch_fsdp.MixedPrecisionPolicy(param_dtype=torch.bfloat16, param_dtype_override_fn=fn),
+                             "Linear")
+    assert converted.param_dtype is torch.bfloat16 and converted.param_dtype_override_fn is fn
+
+
+# ---------------------------------------------------------------------------------------------- finalization
+def _manual(async_op: bool):
+    def finish(model: nn.Module) -> None:
+        handle = model.finalize_backward(async_op=async_op)
+        if async_op:
+            assert isinstance(handle, GradientReductionHandle)
+            handle.wait()
+        else:
+            assert handle is None
+    return finish
+
+
+def _shard_manual(model: nn.Module, **kwargs) -> nn.Module:
+    shard_blocks_then_root(model, mesh=mesh_1d(), **kwargs)
+    model.set_manual_backward_finalization(True)
+    return model
+
+
+@scenario
+def manual_and_async_finalization_match_the_reference():
+    """Synced every backward, or accumulated without sync and reduced at finalize_backward: the same steps as
+    one process (sync and async finalization, ZeRO-3 and ZeRO-2)."""
+    losses = {}
+    for async_op in (False, True):
+        finish = _manual(async_op)
+        losses[f"sync_async={async_op}"] = run_parity(build_gpt, _shard_manual, finish=finish).losses
+        losses[f"accumulate_async={async_op}"] = run_parity(
+            build_gpt, _shard_manual, finish=finish, micro_batches=2, global_batch=8).losses
+    losses["zero2_accumulate"] = run_parity(
+        build_gpt, lambda m: _shard_manual(m, reshard_after_forward=False), finish=_manual(True), micro_batches=2,
+        global_batch=8).losses
+    return losses
+
+
+@scenario
+def manual_finalization_defers_the_end_of_the_step():
+    """A backward in manual mode leaves the root's gradients unreduced (its inputs need none: no post-backward)
+    until finalize_backward; the blocks' reductions started during backward."""
+    torch.manual_seed(0)
+    model = _shard_manual(build_gpt())
+    rank, world = dist.get_rank(), dist.get_world_size()
+    gpt_loss(model, tuple(t.chunk(world)[rank] for t in gpt_batch(0, 4))).backward()
+    # the last block reduced in backward (the first block's reduction may still be in flight)
+    assert all(p.grad is not None for p in model.layers[-1].parameters())
+    # the root shows its unsharded parameters, with autograd's gradients, until the step ends (as FSDP2 does)
+    root = model._fullshard_unit.group.params
+    assert all(p.sharded.grad is None for p in root), "the root reduced before finalize_backward"
+    model.finalize_backward()
+    assert all(isinstance(p, DTensor) and p.grad is not None for p in model.parameters())
+    model.finalize_backward()  # again: nothing left, no error (FSDP2 allows it)
+    return True
+
+
+class _Fail(Exception):
+    pass
+
+
+def _expect(message: str):
+    return pytest.raises(RuntimeError, match=message)
+
+
+@scenario
+def finalization_misuse_is_refused_with_fsdp2s_words():
+    torch.manual_seed(0)
+    model = shard_blocks_then_root(build_gpt(), mesh=mesh_1d())
+    rank, world = dist.get_rank(), dist.get_world_size()
+    batch = tuple(t.chunk(world)[rank] for t in gpt_batch(0, 4))
+    assert model.finalize_backward() is None  # before the first forward: nothing to do
+    model.finalize_backward(async_op=True).wait()
+    gpt_loss(model, batch).backward()  # automatic mode
+    with _expect("requires manual backward finalization"):
+        model.finalize_backward()
+    with _expect("must be called on the root"):
+        model.layers[0].set_manual_backward_finalization(True)
+    model.set_manual_backward_finalization(True)
+    with _expect("finalize_backward must be called on the root"):
+        model.layers[0].finalize_backward()
+
+    seen = []
+
+    def in_backward(module, grad_output):  # the head's and the last block's backward have begun
+        for call in (lambda: model.set_manual_backward_finalization(False), model.finalize_backward):
+            try:
+                call()
+            except RuntimeError as error:
+                seen.append(str(error))
+
+    hook = model.layers[0].register_full_backward_pre_hook(in_backward)
+    gpt_loss(model, batch).backward()
+    hook.remove()
+    assert seen == ["set_manual_backward_finalization cannot change mode during backward",
+                    "FSDP finalize_backward must be called after backward completes"], seen
+    with _expect("cannot change mode after backward starts"):
+        model.set_manual_backward_finalization(False)
+    handle = model.finalize_backward(async_op=True)
+    with _expect("previous gradient reduction must be waited on before finalizing backward again"):
+        model.finalize_backward()
+    with _expect("previous gradient reduction must be waited on before forward"):
+        gpt_loss(model, batch)
+    handle.wait()
+    handle.wait()  # twice: nothing more
+
+    gpt_loss(model, batch).backward()
+    stale = model.finalize_backward(async_op=True)
+    model.reset_iter_state()  # invalidates it
+    with _expect("This gradient reduction handle was invalidated"):
+        stale.wait()
+    model.set_manual_backward_finalization(False)  # the reset ended the step: the mode may change again
+    gpt_loss(model, batch).backward()  # automatic again
+    assert all(p.grad is not None for p in model.parameters())
+    return True
+
+
+@scenario
+def manual_mode_on_a_non_root_is_refused_at_the_first_forward():
+    torch.manual_seed(0)
+    model = build_gpt()
+    for layer in model.layers:
+        fully_shard(layer, mesh=mesh_1d())
+    model.layers[0].set_manual_backward_finalization(True)  # not known to be a non-root yet
+    fully_shard(model, mesh=mesh_1d())
+    with _expect("set_manual_backward_finalization must be called on the root"):
+        gpt_loss(model, gpt_batch(0, 2))
+    return True
+
+
+# ---------------------------------------------------------------------------------------------- kept storage
+@contextlib.contextmanager
+def _counting_unsharded_storage():
+    """Owned unsharded storages fullshard allocates, and all-gathers it issues."""
+    counts = {"storages": 0, "gathers": 0}
+    original_allocate, original_gather = collectives.allocate, collectives.all_gather
+
+    def allocate(*args, **kwargs):
+        owned = original_allocate(*args, **kwargs)
+        counts["storages"] += owned.what.startswith(("unsharded parameter", "unsharded ["))
+        return owned
+
+    def all_gather(*args, **kwargs):
+        counts["gathers"] += 1
+        return original_gather(*args, **kwargs)
+
+    collectives.allocate, collectives.all_gather = allocate, all_gather
+    try:
+        yield counts
+    finally:
+        collectives.allocate, collectives.all_gather = original_allocate, original_gather
+
+
+def _unsharded_bytes(model: nn.Module) -> int:
+    """Bytes of unsharded parameter storage allocated now (views of gather outputs count their storage)."""
+    storages = {}
+    for module in model.modules():
+        group = getattr(module, "_fullshard_unit", None) and module._fullshard_unit.group
+        for param in group.params if group else ():
+            if param.unsharded_data is not None:
+                storage = param.unsharded_data.untyped_storage()
+                storages[storage.data_ptr()] = storage.nbytes()
+    return sum(storages.values())
+
+
+def _steps(model: nn.Module, steps: int) -> list[dict[str, int]]:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    pointers = []
+    for step in range(steps):
+        gpt_loss(model, tuple(t.chunk(world)[rank] for t in gpt_batch(step, 4))).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        assert all(isinstance(p, DTensor) for p in model.parameters()), "the modules must show the shards"
+        model.layers[0].unshard()
+        pointers.append({n: p.data_ptr() for n, p in model.layers[0].named_parameters()})
+        model.layers[0].reshard()
+    return pointers
+
+
+@scenario
+def kept_unsharded_storage_keeps_its_addresses():
+    """set_keep_unsharded_storage(True): resharding shows the shards but keeps the storage; every later gather
+    fills the same storage (stable data pointers, no new allocation), and training still matches."""
+    torch.manual_seed(0)
+    kept = shard_blocks_then_root(build_gpt(), mesh=mesh_1d())
+    kept.set_keep_unsharded_storage(True)
+    torch.manual_seed(0)
+    freed = shard_blocks_then_root(build_gpt(), mesh=mesh_1d())
+    first = _steps(kept, 1) + _steps(freed, 1)  # every storage is allocated in the first step
+    with _counting_unsharded_storage() as kept_counts:
+        pointers = _steps(kept, 3)
+    with _counting_unsharded_storage() as freed_counts:
+        _steps(freed, 3)
+    assert pointers[0] == pointers[1] == pointers[2] == first[0], pointers
+    assert kept_counts["gathers"] == freed_counts["gathers"] > 0, (kept_counts, freed_counts)
+    assert kept_counts["storages"] == freed_counts["storages"] == 0, (kept_counts, freed_counts)  # reused or regrown
+    assert _unsharded_bytes(kept) > 0 and _unsharded_bytes(freed) == 0, (_unsharded_bytes(kept), _unsharded_bytes(freed))
+    units = [m._fullshard_unit for m in kept.modules() if hasattr(m, "_fullshard_unit")]
+    assert all(str(g.state) == "stale" for u in units for g in u.groups), [str(g.state) for u in units for g in u.groups]
+    kept.set_keep_unsharded_storage(False, recurse=False)  # the root only
+    assert not kept._fullshard_unit.group.keep_unsharded_storage
+    assert kept.layers[0]._fullshard_unit.group.keep_unsharded_storage
+    run_parity(build_gpt, lambda m: shard_blocks_then_root(m, mesh=mesh_1d()).set_keep_unsharded_storage(True))
+    return kept_counts
+
+
+# ---------------------------------------------------------------------------------------------- dtypes
+class _Normed(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc, self.norm, self.out = nn.Linear(8, 16), nn.LayerNorm(16), nn.Linear(16, 4)
+
+    def forward(self, x):
+        return self.out(self.norm(torch.relu(self.fc(x))))
+
+
+def _normed_batch(step: int, batch: int):
+    g = torch.Generator().manual_seed(step)
+    return torch.randn(batch, 8, generator=g), torch.randn(batch, 4, generator=g)
+
+
+def _mse(model, batch):
+    x, y = batch
+    return (model(x).float() - y).pow(2).mean()
+
+
+@scenario
+def param_dtype_override_fn_chooses_per_parameter():
+    """An fp32 LayerNorm in a bf16 unit computes with fp32 weights (inputs still cast to bf16); overriding
+    every parameter back to its own dtype trains exactly like the fp32 reference; other answers are refused."""
+    seen, plain = {}, _Normed()
+    norm = {id(p) for p in plain.norm.parameters()}
+    keep_norm = lambda p: p.dtype if id(p) in norm else None  # noqa: E731
+    model = fully_shard(plain, mesh=mesh_1d(),
+                        mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, param_dtype_override_fn=keep_norm))
+    model.norm.register_forward_pre_hook(lambda m, args: seen.update(norm=m.weight.dtype, input=args[0].dtype))
+    model.out.register_forward_pre_hook(lambda m, args: seen.update(out=m.weight.dtype))
+    _mse(model, _normed_batch(0, 2)).backward()
+    assert seen == {"norm": torch.float32, "input": torch.bfloat16, "out": torch.bfloat16}, seen
+    assert all(p.grad.dtype == torch.float32 for p in model.parameters())
+    own = MixedPrecisionPolicy(param_dtype=torch.bfloat16, cast_forward_inputs=False,
+                               param_dtype_override_fn=lambda p: p.dtype)
+    run_parity(_Normed, lambda m: fully_shard(m, mesh=mesh_1d(), mp_policy=own), make_batch=_normed_batch,
+               loss_fn=_mse)
+    for answer, message in ((torch.float16, "must return None, param_dtype, or the parameter's original dtype"),
+                            ("bf16", "must return a torch.dtype or None")):
+        plain = _Normed()
+        with pytest.raises(ValueError, match=message):
+            fully_shard(plain, mesh=mesh_1d(), mp_policy=MixedPrecisionPolicy(
+                param_dtype=torch.bfloat16, param_dtype_override_fn=lambda p, a=answer: a))
+        assert not isinstance(plain, FSDPModule)  # refused before anything changed
+    return True
+
+
+@contextlib.contextmanager
+def _reduce_scatter_dtypes():
+    """The dtypes the backend's reduce-scatter carries (FULLSHARD_EXCHANGE=collective: gloo's own collective)."""
+    saved = os.environ.get(EXCHANGE_ENV)
+    os.environ[EXCHANGE_ENV] = "collective"
+    names = [n for n in ("reduce_scatter_single", "reduce_scatter_tensor") if hasattr(dist, n)]
+    originals = {n: getattr(dist, n) for n in names}
+    dtypes: list[torch.dtype] = []
+
+    def recording(name):
+        def call(output, input, *args, **kwargs):
+            dtypes.append(input.dtype)
+            return originals[name](output, input, *args, **kwargs)
+        return call
+
+    for name in names:
+        setattr(dist, name, recording(name))
+    try:
+        yield dtypes
+    finally:
+        for name, original in originals.items():
+            setattr(dist, name, original)
+        if saved is None:
+            del os.environ[EXCHANGE_ENV]
+        else:
+            os.environ[EXCHANGE_ENV] = saved
+
+
+def _one_backward(model: nn.Module) -> None:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    _mse(model, tuple(t.chunk(world)[rank] for t in _normed_batch(0, 4))).backward()
+
+
+@scenario
+def reduce_dtype_follows_the_installed_fsdp2():
+    """param_dtype=bf16 and no reduce_dtype: fp32 parameters' gradients are reduced in fp32 from torch 2.15 on
+    (the dtype they accumulate in), in bf16 on 2.13/2.14; an explicit reduce_dtype wins on every version. The
+    values match the fp32 reference within bf16 compute either way."""
+    bf16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16)
+    with _reduce_scatter_dtypes() as dtypes:
+        _one_backward(fully_shard(_Normed(), mesh=mesh_1d(), mp_policy=bf16))
+    expected = torch.float32 if TORCH_PROMOTES_REDUCE_DTYPE else torch.bfloat16
+    assert dtypes and set(dtypes) == {expected}, dtypes
+    with _reduce_scatter_dtypes() as explicit:
+        _one_backward(fully_shard(_Normed(), mesh=mesh_1d(),
+                                  mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)))
+    assert set(explicit) == {torch.bfloat16}, explicit
+    with _reduce_scatter_dtypes():
+        run_parity(_Normed, lambda m: fully_shard(m, mesh=mesh_1d(), mp_policy=bf16), make_batch=_normed_batch,
+                   loss_fn=_mse, micro_batches=2, global_batch=8, rtol=2e-2, atol=2e-2, param_atol=3e-2)
+    return [str(d) for d in dtypes]
+
+
+@scenario
+def explicit_grad_dtype_is_reduced_and_kept_in_it():
+    """Tensor.grad_dtype set before fully_shard (torch 2.15): fp64 for one parameter makes its group reduce in
+    fp64 and its sharded gradient fp64; the others stay fp32."""
+    if not TORCH_PROMOTES_REDUCE_DTYPE:
+        return "skipped: the installed torch has no gradient dtype policies"
+    torch.manual_seed(0)
+    plain = _Normed()
+    reference = copy.deepcopy(plain)
+    plain.out.weight.grad_dtype = torch.float64
+    with _reduce_scatter_dtypes() as dtypes:  # the exchange is chosen at fully_shard
+        model = fully_shard(plain, mesh=mesh_1d(), mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
+        _one_backward(model)
+    assert set(dtypes) == {torch.float64}, dtypes
+    assert model.out.weight.grad.dtype == torch.float64
+    assert model.fc.weight.grad.dtype == torch.float32
+    _mse(reference, _normed_batch(0, 4)).backward()
+    for (name, p), ref in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad.full_tensor().float(), ref.grad, rtol=2e-2, atol=2e-2, msg=name)
+    return [str(d) for d in dtypes]
+
+
+@scenario
+def reset_iter_state_keeps_or_drops_reduced_gradients_as_the_installed_fsdp2():
+    """torch 2.15's reset_iter_state drops the reduced sharded gradients; 2.13/2.14 keep them."""
+    torch.manual_seed(0)
+    model = fully_shard(_Normed(), mesh=mesh_1d())
+    _one_backward(model)
+    model.reset_iter_state()
+    kept = [p.grad is not None for p in model.parameters()]
+    assert kept == [not TORCH_PROMOTES_REDUCE_DTYPE] * len(kept), kept
+    return kept
