@@ -13,6 +13,7 @@ PUBLIC_NAMES = (
     "CPUOffloadPolicy",
     "UnshardHandle",
     "register_fsdp_forward_method",
+    "GradientReductionHandle",  # torch 2.15 on; swapped only where torch has it (below)
 )
 
 # Written to the hook folder; the driver puts that folder and the one above this package on PYTHONPATH.
