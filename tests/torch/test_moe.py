@@ -36,7 +36,7 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from fullshard import clip_grad_norm_, fully_shard
-from fullshard.torch import collectives
+from fullshard.torch import collectives, group as fullshard_group
 from tests.conftest import Launch, scenario
 
 LAUNCH = Launch(world_sizes=(2, 4))
@@ -352,17 +352,26 @@ def uneven_experts_and_idle_experts():
     """3 experts as per-expert Linears in one unit on 2 ranks (Shard(0) of 3 rows: 2 + 1, of 12 + 0 ...); a rule
     keeps expert 2 from every even token, and rank 1's tokens are all even, so expert 2 is idle there (no
     gradient on that rank) and runs on rank 0; expert 2's gradient reaches both ranks' shards. Then the same
-    with one grouped weight [3, d, h] (uneven rows)."""
+    with one grouped weight [3, d, h] (uneven rows). Last, every parameter travels alone (as a large expert
+    weight does), where a rank with no gradient for it must still join its reduction:
+    set_reduce_scatter_unused_params(True) on the blocks."""
     rank = dist.get_rank()
     results = {}
-    for linear in (True, False):
+    for linear, alone in ((True, False), (False, False), (True, True)):
         torch.manual_seed(0)
         reference = MoENet(n_experts=3, linear_experts=linear)
         reference.forbid = lambda flat: (flat % 2 == 0).unsqueeze(-1) & (torch.arange(3) == 2)
         model = copy.deepcopy(reference)
-        for block in model.layers:
-            fully_shard(block)
-        fully_shard(model)
+        fuse = fullshard_group.DEFAULT_FUSE_BELOW_NUMEL
+        fullshard_group.DEFAULT_FUSE_BELOW_NUMEL = 1 if alone else fuse
+        try:
+            for block in model.layers:
+                fully_shard(block)
+                block.set_reduce_scatter_unused_params(alone)
+            fully_shard(model)
+        finally:
+            fullshard_group.DEFAULT_FUSE_BELOW_NUMEL = fuse
+        assert all(b.is_single for b in model.layers[0]._fullshard_unit.groups[0].plan.buckets) == alone
         opt = torch.optim.SGD(model.parameters(), lr=0.3, momentum=0.9)
         ref_opt = torch.optim.SGD(reference.parameters(), lr=0.3, momentum=0.9)
         for step in range(3):
@@ -386,7 +395,7 @@ def uneven_experts_and_idle_experts():
         if not linear:
             local_rows = model.layers[0].moe.experts.w1.to_local().shape[0]
             assert local_rows == (2 if rank == 0 else 1), local_rows
-        results["linear" if linear else "grouped"] = True
+        results[("linear" if linear else "grouped") + (" alone" if alone else "")] = True
     return results
 
 
