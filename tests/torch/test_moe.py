@@ -31,11 +31,11 @@ import torch.distributed.checkpoint as dcp
 import torch.distributed.nn.functional as dist_fn
 import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp._fully_shard._fsdp_common import FSDPMeshInfo, ShardPlacementResult
-from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+from torch.distributed.fsdp._fully_shard._fsdp_common import FSDPMeshInfo, HSDPMeshInfo, ShardPlacementResult
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from fullshard import clip_grad_norm_, fully_shard
+from fullshard import MixedPrecisionPolicy, clip_grad_norm_, fully_shard
 from fullshard.torch import collectives, group as fullshard_group
 from tests.conftest import Launch, scenario
 
@@ -204,55 +204,65 @@ def expert_parallel(model: MoENet, ep_mesh) -> MoENet:
     return model
 
 
-def shard_with_expert_mesh(model: MoENet, dense, expert_mesh) -> MoENet:
+def shard_with_expert_mesh(model: MoENet, dense, expert_mesh, info=None, **kwargs) -> MoENet:
     """Blocks, then the root, on the dense mesh; the experts' parameters on ``expert_mesh`` (FSDP2's way)."""
-    info = FSDPMeshInfo(expert_mesh, shard_mesh_dim=0)  # one object per mesh, as FSDP2 asks
+    info = info or FSDPMeshInfo(expert_mesh, shard_mesh_dim=0)  # one object per mesh, as FSDP2 asks
     experts = {id(p) for block in model.layers for p in block.moe.experts.parameters()}
 
     def placement(param: nn.Parameter):
         return ShardPlacementResult(Shard(0), info) if id(param) in experts else None
 
     for block in model.layers:
-        fully_shard(block, mesh=dense, shard_placement_fn=placement)
-    fully_shard(model, mesh=dense)
+        fully_shard(block, mesh=dense, shard_placement_fn=placement, **kwargs)
+    fully_shard(model, mesh=dense, **kwargs)
     return model
 
 
 def train(model: nn.Module, reference: nn.Module, rank_slice, *, steps: int = 3, sum_loss: bool = False,
-          clip: float | None = None, global_batch: int = 8) -> dict:
-    """Step ``model`` on this rank's slice and ``reference`` on the whole batch; compare losses and parameters.
+          clip: float | None = None, global_batch: int = 8, rtol: float = 1e-5, atol: float = 1e-6) -> dict:
+    """Step ``model`` on this rank's slice and ``reference`` on the whole batch; compare every step's loss and
+    every parameter's reduced gradient, then the final parameters.
 
-    ``sum_loss``: every unit divides by 1 (``set_gradient_divide_factor(1.0)``) and each rank's loss is its
-    token losses' sum over the global token count (torchtitan's way); otherwise each rank's loss is its own
-    mean and the default averaging divides."""
+    ``sum_loss``: each rank's loss is its token losses' sum over the global token count (torchtitan's way, with
+    ``set_gradient_divide_factor(1.0)``); otherwise each rank's loss is the mean over its own tokens."""
     opt = torch.optim.SGD(model.parameters(), lr=0.3, momentum=0.9)
     ref_opt = torch.optim.SGD(reference.parameters(), lr=0.3, momentum=0.9)
     losses, ref_losses = [], []
     for step in range(steps):
         tokens, targets = batch(step, global_batch)
+        ref_loss = token_loss_sum(reference, tokens, targets) / tokens.numel()
+        ref_loss.backward()
+        ref_losses.append(ref_loss.item())
         mine = (tokens[rank_slice], targets[rank_slice])
         summed = token_loss_sum(model, *mine)
         loss = summed / tokens.numel() if sum_loss else summed / mine[0].numel()
         loss.backward()
+        assert_same_grads(model, reference, step, rtol, atol)
         if clip is not None:
             norm = clip_grad_norm_(model.parameters(), clip)
-        opt.step()
-        opt.zero_grad()
+            ref_norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), clip)
+            torch.testing.assert_close(norm, ref_norm, rtol=1e-4, atol=1e-6)
+        for optimizer in (opt, ref_opt):
+            optimizer.step()
+            optimizer.zero_grad()
         total = (summed / tokens.numel()).detach()
         dist.all_reduce(total)
         losses.append(total.item())
-        ref_loss = token_loss_sum(reference, tokens, targets) / tokens.numel()
-        ref_loss.backward()
-        if clip is not None:
-            ref_norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), clip)
-            torch.testing.assert_close(norm, ref_norm, rtol=1e-4, atol=1e-6)
-        ref_opt.step()
-        ref_opt.zero_grad()
-        ref_losses.append(ref_loss.item())
-    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=1e-6,
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=rtol, atol=atol,
                                msg=lambda m: f"losses {losses} vs reference {ref_losses}\n{m}")
-    assert_same_parameters(model, reference)
+    assert_same_parameters(model, reference, atol=max(1e-5, 10 * atol))
     return {"losses": losses}
+
+
+def assert_same_grads(model: nn.Module, reference: nn.Module, step: int, rtol: float, atol: float) -> None:
+    """Every reduced gradient is the reference's (the ratio of their norms is in the message: 2.0 is FSDP2's
+    default under expert parallelism on 2 ranks)."""
+    for (name, param), ref in zip(model.named_parameters(), reference.parameters()):
+        grad = param.grad.full_tensor() if isinstance(param.grad, DTensor) else param.grad
+        assert grad is not None, f"step {step}: {name} has no gradient"
+        ratio = (grad.norm() / ref.grad.norm()).item() if ref.grad.norm() > 0 else float("nan")
+        torch.testing.assert_close(grad, ref.grad, rtol=rtol, atol=atol,
+                                   msg=lambda m: f"step {step}: gradient of {name} (norm ratio {ratio:.4f})\n{m}")
 
 
 def assert_same_parameters(model: nn.Module, reference: nn.Module, atol: float = 1e-5) -> None:
@@ -274,7 +284,8 @@ def ep_model(world: int, **shard_kwargs):
     sparse, dense = ep_meshes(world)
     torch.manual_seed(0)
     reference = MoENet()
-    model = shard_with_expert_mesh(expert_parallel(copy.deepcopy(reference), sparse["ep"]), dense, sparse["efsdp"])
+    model = shard_with_expert_mesh(expert_parallel(copy.deepcopy(reference), sparse["ep"]), dense, sparse["efsdp"],
+                                   **shard_kwargs)
     return model, reference, sparse, dense
 
 
@@ -347,6 +358,45 @@ def expert_parallel_clip_and_checkpoint():
     return True
 
 
+@scenario
+def expert_parallel_explicit_factor_fp16_reduce():
+    """An explicit factor (the world size) with gradients reduced in fp16, the experts' mesh of one rank on 2
+    ranks: divided once (torch 2.13's FSDP2 divides twice there: factor squared)."""
+    mp = MixedPrecisionPolicy(reduce_dtype=torch.float16)
+    model, reference, _, _ = ep_model(dist.get_world_size(), mp_policy=mp)
+    for module in model.modules():
+        if hasattr(module, "set_gradient_divide_factor"):
+            module.set_gradient_divide_factor(float(dist.get_world_size()))
+    return train(model, reference, rank_slice(), rtol=2e-3, atol=2e-4)
+
+
+@scenario(world_sizes=(4,))
+def expert_parallel_reshard_to_blocks():
+    """reshard_after_forward=2 on 4 ranks: the dense groups keep blocks of 2 ranks after forward, the experts
+    (whose mesh has 2 ranks) reshard fully; both still match."""
+    model, reference, _, dense = ep_model(4, reshard_after_forward=2)
+    groups = model.layers[0]._fullshard_unit.groups
+    assert dist.get_world_size(groups[0].post_forward_group) == 2 and groups[1].post_forward_group is None
+    return train(model, reference, rank_slice())
+
+
+@scenario(world_sizes=(4,))
+def experts_on_an_hsdp_mesh():
+    """No expert parallelism: every rank runs every expert, whose weights go on a (replicate 2, shard 2) mesh
+    through an HSDPMeshInfo; placements (Replicate(), Shard(0)), reduced within a shard pair then summed across
+    the replicas, divided by 4 like the dense weights."""
+    hsdp = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    dense = init_device_mesh("cpu", (4,), mesh_dim_names=("fsdp",))
+    torch.manual_seed(0)
+    reference = MoENet()
+    info = HSDPMeshInfo(hsdp, shard_mesh_dim=1, replicate_mesh_dim=0)
+    model = shard_with_expert_mesh(copy.deepcopy(reference), dense, None, info=info)
+    experts = model.layers[0]._fullshard_unit.groups[1]
+    assert dist.get_process_group_ranks(experts.replicate_group) == dist.get_process_group_ranks(hsdp.get_group(0))
+    assert model.layers[0].moe.experts.w1.placements == (Replicate(), Shard(0))
+    return train(model, reference, rank_slice())
+
+
 @scenario(world_sizes=(2,))
 def uneven_experts_and_idle_experts():
     """3 experts as per-expert Linears in one unit on 2 ranks (Shard(0) of 3 rows: 2 + 1, of 12 + 0 ...); a rule
@@ -400,8 +450,9 @@ def uneven_experts_and_idle_experts():
 
 
 @scenario(world_sizes=(2,))
-def bad_mesh_info_is_named():
-    """A mesh_info that names no data-parallel mesh is refused, naming the parameter and the fix."""
+def mesh_info_checks():
+    """A mesh_info that names no data-parallel mesh is refused, naming the parameter and the fix; two that name
+    the same groups make one group."""
     mesh = init_device_mesh("cpu", (2,))
 
     class NotAMeshInfo:
@@ -417,4 +468,9 @@ def bad_mesh_info_is_named():
     else:
         raise AssertionError("a bad mesh_info was accepted")
     assert not hasattr(model.layers[0], "_fullshard_unit")  # nothing changed
+    # two mesh-info objects naming the same groups: one group (FSDP2 raises), not two that split a bucket
+    first, second = FSDPMeshInfo(mesh, shard_mesh_dim=0), FSDPMeshInfo(mesh, shard_mesh_dim=0)
+    fully_shard(model.layers[0], mesh=mesh, shard_placement_fn=lambda p: ShardPlacementResult(
+        None, first if p.ndim == 1 else second))
+    assert len(model.layers[0]._fullshard_unit.groups) == 1
     return True
