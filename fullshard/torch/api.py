@@ -479,13 +479,8 @@ def _group(sharded: list[ShardedParam], dp: DataParallelMesh, args: _Arguments) 
         all_reduce=flags.all_reduce,
         after_backward=AfterBackward.RESHARD if flags.reshard_after_backward else AfterBackward.KEEP_STORAGE,
     )
-    # reshard_after_forward=k: blocks of k ranks of each mesh, which must reshard alike
-    reshard, post_forward_size = _post_forward_size(args.reshard_ranks, dp, args.name)
-    if reshard != args.reshard_after_forward:
-        raise ValueError(
-            f"fully_shard({args.name}): reshard_after_forward={args.reshard_ranks} is the whole shard group on one "
-            f"of {dp.mesh} and {args.mesh} but not on the other; pass True, or a block size below both shard sizes"
-        )
+    # reshard_after_forward=k: blocks of k ranks of each mesh (k must divide every mesh's shard size)
+    post_forward_size = _post_forward_size(args.reshard_ranks, dp, args.name)[1]
     if post_forward_size is not None:
         group.post_forward_group = _post_forward_group(dp.mesh, dp.shard_dim, post_forward_size)
     return group
