@@ -53,7 +53,8 @@ def _parser() -> argparse.ArgumentParser:
                        f"scheduler (mindspore); default {DEFAULT_MASTER_PORT}")
     train.add_argument("--mesh", default="auto", help="auto (hsdp with more than one node, else fsdp) | fsdp "
                        "(shard across every rank) | hsdp (replicate across nodes, shard within each)")
-    train.add_argument("--model", default="small", help="tiny | small | medium (default small)")
+    train.add_argument("--model", default="small", help="tiny | small | medium | moe (default small)")
+    train.add_argument("--ep", type=int, default=1, help="--model moe: expert parallelism over N ranks (torch)")
     train.add_argument("--hf-config", help="train a Hugging Face causal LM from a config instead (needs "
                        "transformers): a model type (llama, qwen2, ...), a config.json path or inline JSON")
     train.add_argument("--strategy", default="optim_grads_params", help=" | ".join(STRATEGIES))
@@ -124,6 +125,8 @@ def _check_framework(args) -> None:
                          "CPU; use fp16 (fp16 compute, fp32 reduce)")
     if args.hf_config:
         raise UsageError("--hf-config builds a Hugging Face torch model; it needs --framework torch")
+    if args.model == "moe" or args.ep != 1:
+        raise UsageError("--model moe and --ep train on --framework torch; the MindSpore job trains the dense GPT")
     if args.device != "cpu":
         raise UsageError(f"--device {args.device} with --framework mindspore: the MindSpore job runs on cpu here")
     if importlib.util.find_spec("mindspore") is None:
@@ -182,9 +185,24 @@ def _train_config(args):
         steps=args.steps, batch_size=args.batch_size, lr=args.lr, seed=args.seed, data=args.data,
         checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every, resume=args.resume,
         out_dir=args.out, device=args.device, timeout_s=args.timeout, framework=args.framework,
-        mesh=args.mesh, nodes=asdict(nodes),
+        mesh=args.mesh, nodes=asdict(nodes), ep=args.ep,
     )
+    _check_expert_parallel(cfg, MODEL_SIZES[args.model].n_experts, world)
     return cfg
+
+
+def _check_expert_parallel(cfg, n_experts: int, world: int) -> None:
+    """--ep N: the experts split over N ranks of every group of N, the rest sharded over all (docs/moe.md)."""
+    from fullshard.train.nodes import choose_mesh
+
+    if cfg.ep == 1:
+        return
+    if cfg.ep < 1 or not n_experts or cfg.hf_config:
+        raise UsageError(f"--ep {cfg.ep}: expert parallelism needs --model moe and an --ep of at least 1")
+    if world % cfg.ep or n_experts % cfg.ep:
+        raise UsageError(f"--ep {cfg.ep} must divide the {world} processes and the model's {n_experts} experts")
+    if cfg.strategy == "no_shard" or choose_mesh(cfg.mesh, Nodes(**cfg.nodes), cfg.strategy).kind != "fsdp":
+        raise UsageError(f"--ep {cfg.ep} shards over a 1-D mesh (--mesh fsdp) with a sharding --strategy")
 
 
 

@@ -15,12 +15,15 @@ class GPTConfig:
     n_heads: int = 6
     mlp_ratio: int = 4
     tie_embeddings: bool = True
+    n_experts: int = 0  # > 0: every block's MLP is a mixture of this many experts (torch: models/moe.py)
+    top_k: int = 2  # experts per token
 
 
 MODEL_SIZES = {
     "tiny": GPTConfig(seq_len=64, d_model=64, n_layers=2, n_heads=4),
     "small": GPTConfig(),
     "medium": GPTConfig(seq_len=128, d_model=384, n_layers=6, n_heads=6),
+    "moe": GPTConfig(seq_len=64, d_model=64, n_layers=2, n_heads=4, mlp_ratio=2, n_experts=4, top_k=2),
 }
 
 

@@ -51,14 +51,14 @@ def _states(model: nn.Module) -> list:
 def presence_numel(model: nn.Module) -> int:
     """The counts of which members a rank had gradients for, in every fused bucket a reduction of ``model``'s
     units carries beyond the gradients (``plan.group.BucketLayout.with_presence``)."""
-    return sum(len(b.members) for s in _states(model) if s.group is not None for b in s.group.plan.reduce_buckets
-               if b.presence_offset is not None and s.group.params[b.members[0]].requires_grad)
+    return sum(len(b.members) for s in _states(model) for g in s.groups for b in g.plan.reduce_buckets
+               if b.presence_offset is not None and g.params[b.members[0]].requires_grad)
 
 
 def memory_report(model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None) -> dict:
     """Bytes this rank holds and moved, with the theoretical figures for the model's strategy."""
     states = list(_states(model))
-    managed = [p for s in states if s.group is not None for p in s.group.params]
+    managed = [p for s in states for g in s.groups for p in g.params]
     # The sharded parameters, whatever the modules show right now (after a forward that did not
     # reshard they show the unsharded ones, as FSDP2's do), and the parameters fullshard leaves alone.
     shown = {id(p.unsharded) for p in managed if p.unsharded is not None}
@@ -66,8 +66,7 @@ def memory_report(model: nn.Module, optimizer: Optional[torch.optim.Optimizer] =
         p for p in model.parameters() if id(p) not in shown and not getattr(p, "_fullshard_managed", False)
     ]
     unsharded_grads = [
-        p.unsharded.grad for s in states if s.group is not None for p in s.group.params
-        if p.unsharded is not None and p.unsharded.grad is not None
+        p.unsharded.grad for p in managed if p.unsharded is not None and p.unsharded.grad is not None
     ]
     meter = comm_bytes()
     measured = {

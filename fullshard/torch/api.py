@@ -20,7 +20,7 @@ from fullshard.core.checks import (
 )
 from fullshard.core.unit import UNIT_ATTR, become_fsdp_module
 from fullshard.plan import ShardLayout
-from fullshard.plan.group import AfterBackward, Strategy, lifecycle
+from fullshard.plan.group import AfterBackward, MeshFacts, Strategy, lifecycle, plan_mesh_groups
 from fullshard.torch.policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from fullshard.torch.errors import AppliedTwiceError, MeshError, ShardDimError
 from fullshard.torch.group import ParamGroup
@@ -269,6 +269,7 @@ class _Arguments:
     mesh: DeviceMesh
     dp: Any
     device: torch.device
+    reshard_ranks: Any = None  # reshard_after_forward as given (an int: the block size, checked per mesh)
 
 
 def fully_shard(
@@ -276,7 +277,7 @@ def fully_shard(
     *,
     mesh: Optional[DeviceMesh] = None,
     reshard_after_forward: Optional[bool] = None,
-    shard_placement_fn: Optional[Callable[[nn.Parameter], Optional[Shard]]] = None,
+    shard_placement_fn: Optional[Callable[[nn.Parameter], Any]] = None,  # Shard, None, ShardPlacementResult
     mp_policy: Any = MixedPrecisionPolicy(),
     offload_policy: Any = OffloadPolicy(),
     ignored_params: Optional[set[nn.Parameter]] = None,
@@ -285,8 +286,8 @@ def fully_shard(
 ) -> Union[nn.Module, list[nn.Module]]:
     """Shard ``module``'s parameters across ``mesh`` (ZeRO-3), FSDP2-compatible.
 
-    Parameters become ``DTensor`` shards (``Shard(0)``, or what
-    ``shard_placement_fn`` returns, any dim, even or not). Around each forward
+    Parameters become ``DTensor`` shards (``Shard(0)``, or what ``shard_placement_fn`` returns: any dim, even or
+    not, or FSDP2's ``ShardPlacementResult``: a mesh of its own, docs/moe.md). Around each forward
     they are all-gathered in ``mp_policy.param_dtype``; after backward their
     gradients are reduce-scattered in ``mp_policy.reduce_dtype`` and averaged.
     A list of modules forms one communication group. Returns ``module``.
@@ -322,6 +323,7 @@ def _check_arguments(name: str, mesh: Optional[DeviceMesh], reshard_after_forwar
     mp = as_mp_policy(mp_policy, name)
     offload = as_offload_policy(offload_policy, name)
     check_reshard_after_forward(reshard_after_forward, name, allow_int=True)
+    raw_reshard = reshard_after_forward
     mesh = mesh if mesh is not None else _default_mesh()
     # The last mesh dim shards; a leading dim (HSDP) replicates and all-reduces gradients.
     dp = data_parallel_mesh(mesh, dp_mesh_dims, name)
@@ -332,7 +334,7 @@ def _check_arguments(name: str, mesh: Optional[DeviceMesh], reshard_after_forwar
     reshard_after_forward, post_forward_size = _post_forward_size(reshard_after_forward, dp, name)
     pin_memory = offload.pin_memory if isinstance(offload, CPUOffloadPolicy) else None
     return _Arguments(name, strategy, replicated, mp, pin_memory, reshard_after_forward, post_forward_size, mesh, dp,
-                      _mesh_device(mesh))
+                      _mesh_device(mesh), raw_reshard)
 
 
 def _post_forward_size(reshard_after_forward: Any, dp: Any, name: str) -> tuple[Optional[bool], Optional[int]]:
@@ -360,7 +362,7 @@ def _plan_params(modules: list[nn.Module], args: _Arguments, shard_placement_fn:
     # model, e.g. DDP on some parts and fully_shard on others): those are not this call's business.
     ignored = {id(p) for p in (ignored_params or ())}
     owners, params = _owners_of_params(modules, ignored)
-    plans = []
+    plans, meshes = [], {}
     for key, param in params.items():
         fqn = owners[key][0][2]
         check_not_managed(_is_managed(param), isinstance(param, DTensor), fqn, args.name)
@@ -369,15 +371,39 @@ def _plan_params(modules: list[nn.Module], args: _Arguments, shard_placement_fn:
                 f"fully_shard({args.name}): parameter '{fqn}' is on {param.device} but the mesh uses {args.device}; "
                 f"move the module to {args.device} (or to the CPU or meta device, which fully_shard moves) first"
             )
-        placement = shard_placement_fn(param) if shard_placement_fn is not None else None
+        result = shard_placement_fn(param) if shard_placement_fn is not None else None
+        placement, dp = _placement_and_mesh(result, args, fqn, meshes)
         dim = shard_dim(placement, Shard, tuple(param.shape), fqn, args.name, ShardDimError)
-        spec = sharded_spec(param, fqn, args.name, args.dp, dim, args.replicated)
+        spec = sharded_spec(param, fqn, args.name, dp, dim, args.replicated)
         local_shape = param._local_tensor.shape if isinstance(param, DTensor) else param.shape
         # the override is asked once per parameter, before anything changes (its errors leave the model as it was)
         compute = args.mp.compute_dtype_of(param) if args.mp.param_dtype_override_fn else args.mp.param_dtype
-        plans.append((param, fqn, spec, ShardLayout(tuple(local_shape), dim, 1 if args.replicated else args.dp.shard_size),
-                      compute))
+        layout = ShardLayout(tuple(local_shape), dim, 1 if args.replicated else dp.shard_size)
+        plans.append((param, fqn, spec, layout, dp, compute))
     return owners, plans
+
+
+def _placement_and_mesh(result: Any, args: _Arguments, fqn: str, meshes: dict) -> tuple[Any, DataParallelMesh]:
+    """``shard_placement_fn``'s answer for ``fqn``: ``Shard(dim)`` or None on the call's mesh, or FSDP2's
+    ``ShardPlacementResult(placement, mesh_info)`` (torch's class or any with those fields): that placement on
+    ``mesh_info.mesh`` (an expert mesh). One mesh per mesh-info object (``meshes`` also keeps it alive)."""
+    info = getattr(result, "mesh_info", None)
+    if info is None or id(info) in meshes:
+        return getattr(result, "placement", result), meshes[id(info)][1] if info is not None else args.dp
+    where = f"fully_shard({args.name}): shard_placement_fn put '{fqn}' on mesh_info {info!r}"
+    mesh, shard, replicate = (getattr(info, name, None) for name in ("mesh", "shard_mesh_dim", "replicate_mesh_dim"))
+    if args.dp.spmd or args.replicated:
+        raise NotImplementedError(f"{where}: a mesh per parameter is not supported with dp_mesh_dims or strategy "
+                                  "'no_shard'; shard these parameters in a fully_shard call of their own on that mesh")
+    if not isinstance(mesh, DeviceMesh) or not ((mesh.ndim, shard, replicate) == (1, 0, None) or (
+            mesh.ndim == 2 and mesh.mesh_dim_names is not None and {shard, replicate} == {0, 1})):
+        raise ValueError(f"{where}, which names no data-parallel mesh; build FSDPMeshInfo(mesh, shard_mesh_dim=0) on "
+                         "a 1-D mesh, or HSDPMeshInfo(mesh, shard_mesh_dim=1, replicate_mesh_dim=0) on a named 2-D one")
+    if _mesh_device(mesh) != args.device:
+        raise ValueError(f"{where}, a {mesh.device_type} mesh, but the call's mesh uses {args.device}; build both "
+                         "meshes on one device type")
+    meshes[id(info)] = (info, DataParallelMesh(mesh, shard, replicate, spmd=False))
+    return result.placement, meshes[id(info)][1]
 
 
 def _apply(modules: list[nn.Module], args: _Arguments, owners: dict, plans: list) -> None:
@@ -388,14 +414,14 @@ def _apply(modules: list[nn.Module], args: _Arguments, owners: dict, plans: list
                 m.get_submodule(buffer_name.rpartition(".")[0])._buffers[buffer_name.rpartition(".")[2]] = \
                     buffer.to(args.device)
     sharded = []
-    for param, fqn, spec, layout, compute_dtype in plans:
+    for param, fqn, spec, layout, dp, compute_dtype in plans:
         holders = [(owner, attr) for owner, attr, _ in owners[id(param)]]
-        sharded.append(ShardedParam(param, holders, fqn, layout, spec, 0 if args.replicated else args.dp.shard_rank,
+        sharded.append(ShardedParam(param, holders, fqn, layout, spec, 0 if args.replicated else dp.shard_rank,
                                     args.device, compute_dtype, args.pin_memory, args.mp.main_dtype))
         _mark_managed(param)
         _mark_managed(sharded[-1].sharded)
-    group = _group(sharded, args) if sharded else None
-    unit = ShardedUnit(modules, group, args.mp, args.reshard_after_forward, args.strategy)
+    unit = ShardedUnit(modules, _groups(sharded, [plan[4] for plan in plans], args), args.mp,
+                       args.reshard_after_forward, args.strategy)
     for m in modules:
         become_fsdp_module(m, FSDPModule, FSDP_CLASSES, unit)
         _expose_to_torch(m, unit)
@@ -439,16 +465,32 @@ class StateView:
         (self._state.root or self._state.lazy_init_as_root()).complete_backward()
 
 
-def _group(sharded: list[ShardedParam], args: _Arguments) -> ParamGroup:
+def _groups(sharded: list[ShardedParam], dps: list[DataParallelMesh], args: _Arguments) -> list[ParamGroup]:
+    """One group per mesh (``plan.group.plan_mesh_groups``), all dividing by the call's data-parallel size."""
+    def facts(dp: DataParallelMesh) -> MeshFacts:
+        shard, replicate = dp.shard_group, dp.replicate_group
+        replicas = dist.get_world_size(replicate) if replicate is not None else 1
+        return MeshFacts((id(shard), id(replicate)), dist.get_world_size(shard), replicas)
+
+    split = plan_mesh_groups(facts(args.dp), [facts(dp) for dp in dps])
+    groups = [_group([sharded[i] for i in members], dps[members[0]], args) for members in split.members]
+    for group in groups:
+        group.default_divide_factor = split.divide_factor
+    return groups
+
+
+def _group(sharded: list[ShardedParam], dp: DataParallelMesh, args: _Arguments) -> ParamGroup:
     flags = lifecycle(args.strategy, is_root=False, reshard_after_forward=args.reshard_after_forward)
     group = ParamGroup(
-        sharded, args.dp.shard_group, args.mp.reduce_dtype, args.name,
-        replicate_group=args.dp.replicate_group, shard_mesh=args.dp.shard_mesh, mp_policy=args.mp,
+        sharded, dp.shard_group, args.mp.reduce_dtype, args.name,
+        replicate_group=dp.replicate_group, shard_mesh=dp.shard_mesh, mp_policy=args.mp,
         all_reduce=flags.all_reduce,
         after_backward=AfterBackward.RESHARD if flags.reshard_after_backward else AfterBackward.KEEP_STORAGE,
     )
-    if args.post_forward_size is not None:
-        group.post_forward_group = _post_forward_group(args.mesh, args.dp.shard_dim, args.post_forward_size)
+    # reshard_after_forward=k: blocks of k ranks of each mesh (k must divide every mesh's shard size)
+    post_forward_size = _post_forward_size(args.reshard_ranks, dp, args.name)[1]
+    if post_forward_size is not None:
+        group.post_forward_group = _post_forward_group(dp.mesh, dp.shard_dim, post_forward_size)
     return group
 
 

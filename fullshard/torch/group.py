@@ -78,7 +78,10 @@ class ParamGroup(Group):
         # Whether gradient sync was off at some point since the last reduction (set alike on every rank):
         # gradients may then be fp32 accumulators, and must travel as such.
         self.accumulated_without_sync = False
-        self.divide_factor: Optional[float] = None
+        self.divide_factor: Optional[float] = None  # FSDPModule.set_gradient_divide_factor
+        # Without one: the data-parallel size of the whole fully_shard call, which api.py sets for every group
+        # (an expert mesh's own size is too small a divisor: plan.group.plan_mesh_groups).
+        self.default_divide_factor: float = self.world * self.replicas
         self.all_reduce_hook: Optional[Callable[[torch.Tensor], None]] = None  # FSDPModule.set_all_reduce_hook
         self.all_reduce_hook_stream = None  # where the hook runs (None: the current stream)
         # Called after every accumulated gradient (the unit makes sure its root's end of backward will come).
@@ -365,7 +368,7 @@ class ParamGroup(Group):
     def _start_reduce(self) -> list:
         """Start reductions of the pending unsharded gradients; buckets without any are skipped."""
         pending = []
-        divide = self.divide_factor if self.divide_factor is not None else self.world * self.replicas
+        divide = self.divide_factor if self.divide_factor is not None else self.default_divide_factor
         for index in range(len(self.plan.buckets)):
             reduction = self._reduce_bucket(index, divide)
             if reduction is not None:

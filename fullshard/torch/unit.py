@@ -183,15 +183,15 @@ class ShardedUnit(Unit):
     def __init__(
         self,
         modules: list[nn.Module],
-        group: Optional[ParamGroup],
+        groups: list[ParamGroup],  # one per mesh the call's parameters are on (expert parallelism: several)
         mp_policy: MixedPrecisionPolicy,
         reshard_after_forward: Optional[bool],
         strategy: Strategy,
     ) -> None:
-        super().__init__([group] if group is not None else [], strategy, reshard_after_forward, len(modules))
+        super().__init__(groups, strategy, reshard_after_forward, len(modules))
         self.modules = modules
         self.mp_policy = mp_policy
-        if group is not None:
+        for group in groups:
             group.on_grad = self._on_grad
         for module in modules:
             module.register_state_dict_pre_hook(self._before_state_dict)
@@ -221,17 +221,16 @@ class ShardedUnit(Unit):
     def _before_state_dict(self, *_args: Any) -> None:
         """state_dict() returns the shards (FSDP2 does the same). The tensors it returns may be written
         (dcp.load writes into them, below any version counter): a kept copy is gathered again."""
-        if self.group is not None and self.group.shows_unsharded and not _in_backward():
-            self.group.mark_stale()
+        for group in self.groups if not _in_backward() else ():
+            if group.shows_unsharded:
+                group.mark_stale()
 
     def _before_load_state_dict(self, module: nn.Module, state_dict: dict, prefix: str, *_args: Any) -> None:
         """Load into the shards, accepting full (plain) tensors for sharded parameters: keep this rank's
         shard of each. A kept unsharded copy is gathered again at the next forward."""
-        if self.group is None:
-            return
         self._before_state_dict()
         paths = {id(m): name for name, m in module.named_modules()}
-        for param in self.group.params:
+        for param in (param for group in self.groups for param in group.params):
             for owner, attr in param.owners:
                 if id(owner) not in paths:
                     continue
@@ -340,8 +339,7 @@ class FSDPModule(FSDPModuleMethods, FinalizationMethods, torch_fsdp.FSDPModule):
         self.reshard()
         # Past torch's FSDPModule (its _apply needs FSDP2 state) to the original class.
         result = super(_TORCH_FSDP_MODULE, self)._apply(*args, **kwargs)
-        group = getattr(self, UNIT_ATTR).group
-        if group is not None:
+        for group in getattr(self, UNIT_ATTR).groups:
             group.follow_replaced_params()
         return result
 
@@ -369,8 +367,8 @@ class FSDPModule(FSDPModuleMethods, FinalizationMethods, torch_fsdp.FSDPModule):
         stream then waits for it); not with HSDP, whose own all-reduce runs where the hook would."""
         if not callable(hook):
             raise ValueError(f"set_all_reduce_hook expects a callable, got {type(hook).__name__}")
-        group = getattr(self, UNIT_ATTR).group
-        if stream is not None and group is not None and group.replicate_group is not None:
+        groups = getattr(self, UNIT_ATTR).groups  # every mesh's (FSDP2 refuses several; each runs it on its own)
+        if stream is not None and any(group.replicate_group is not None for group in groups):
             raise ValueError("stream cannot be set when using native HSDP")  # FSDP2's words, exactly
         self._configure(False, all_reduce_hook=hook, all_reduce_hook_stream=stream)
 
@@ -425,8 +423,7 @@ class FSDPModule(FSDPModuleMethods, FinalizationMethods, torch_fsdp.FSDPModule):
     def _set_custom_comm(self, attribute: str, comm: Any) -> None:
         if comm is not None and not (callable(comm) and callable(getattr(comm, "allocate", None))):
             raise ValueError(f"{attribute}: expects an object with allocate() that can be called, got {comm!r}")
-        group = getattr(self, UNIT_ATTR).group
-        if group is not None:
+        for group in getattr(self, UNIT_ATTR).groups:  # each mesh's group calls it on its own process group
             setattr(group, attribute, comm)
             group.replan()
 

@@ -35,6 +35,7 @@ class TrainConfig:
     framework: str = "torch"
     mesh: str = "auto"  # auto | fsdp | hsdp (fullshard.train.nodes.choose_mesh)
     nodes: dict = field(default_factory=dict)  # fullshard.train.nodes.Nodes as a dict; empty: one node
+    ep: int = 1  # --model moe: expert parallelism over this many ranks (fullshard.models.moe)
 
 
 @dataclass

@@ -82,6 +82,10 @@ class ModelSpec:
     def build(self, seed: int) -> nn.Module:
         torch.manual_seed(seed)  # the same full initial weights at every world size
         if self.hf_config is None:
+            if MODEL_SIZES[self.model].n_experts:
+                from fullshard.models.moe import MoEGPT
+
+                return MoEGPT(MODEL_SIZES[self.model])
             return GPT(MODEL_SIZES[self.model])
         from transformers import AutoModelForCausalLM
 

@@ -126,6 +126,10 @@ def format_table(summary: dict) -> str:
     ]
     if summary.get("mesh"):
         lines.append(f"  mesh         {summary['mesh']['chosen']}")
+    ep = summary["config"].get("ep", 1)
+    if ep > 1:  # the formulas below count every parameter on the dense mesh; the experts gather over efsdp only
+        lines.append(f"  experts      split over ep groups of {ep} (all-to-all tokens), sharded over efsdp "
+                     f"{summary['world_size'] // ep}; gradients divided by {summary['world_size']} (docs/moe.md)")
     if len(nodes) > 1:
         for node, info in sorted(nodes.items(), key=lambda item: int(item[0])):
             lines.append(f"  node {node}       ranks {', '.join(map(str, info['ranks']))} on {info['host']}")

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from fullshard.torch.clip import clip_grad_norm_  # across meshes (--ep); torch's own within one
 from fullshard.train.procs import peak_rss_bytes
 from fullshard.plan.exchange import DEFAULT_BACKENDS
 from fullshard.core.buffers import reset_traffic, traffic
@@ -56,10 +57,27 @@ def shard(model: nn.Module, cfg: TrainConfig, mesh=None) -> nn.Module:
     mp = MixedPrecisionPolicy()
     if cfg.mixed_precision == "bf16":
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    placement = None
+    if cfg.ep > 1:
+        mesh, placement = _expert_parallel(model, cfg)
     for layer in model.layers:
-        fully_shard(layer, mesh=mesh, mp_policy=mp, strategy=cfg.strategy)
+        fully_shard(layer, mesh=mesh, mp_policy=mp, strategy=cfg.strategy, shard_placement_fn=placement)
     fully_shard(model, mesh=mesh, mp_policy=mp, strategy=cfg.strategy)
     return model
+
+
+def _expert_parallel(model: nn.Module, cfg: TrainConfig):
+    """--ep: torchtitan's layout, ``(efsdp, ep)`` with ep innermost; experts split over ``ep`` and sharded over
+    ``efsdp``, everything else over every rank. Returns the dense mesh and the ``shard_placement_fn``."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from fullshard.models.moe import expert_parallel, expert_placement
+
+    world = dist.get_world_size()
+    sparse = init_device_mesh(cfg.device, (world // cfg.ep, cfg.ep), mesh_dim_names=("efsdp", "ep"))
+    dense = init_device_mesh(cfg.device, (world,), mesh_dim_names=("fsdp",))
+    expert_parallel(model, sparse["ep"])
+    return dense, expert_placement(model, sparse["efsdp"])
 
 
 def _record_placement(result: RankResult, model: nn.Module, nodes: Nodes) -> None:
@@ -166,7 +184,7 @@ def _train_steps(cfg: TrainConfig, model, optimizer, corpus: ByteCorpus, seq_len
             loss = model.loss(tokens[part], targets[part]) / cfg.grad_accum
             loss.backward()
             total += loss.detach()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         if step == cfg.steps - 1 or step == start:
             result.grad_bytes = _local_bytes(p.grad for p in model.parameters() if p.grad is not None)

@@ -130,6 +130,10 @@ def test_resume_at_the_last_step_has_nothing_to_train(checkpointed_run):
     (["train", "--data", "/no/such/path"], "/no/such/path does not exist"),
     (["train", "--batch-size", "6", "--grad-accum", "4"], "must divide evenly"),
     (["estimate", "--nproc", "8", "--strategy", "zero9", "--params", "1e9"], "unknown --strategy"),
+    (["train", "--model", "moe", "--ep", "3", "--batch-size", "4"], "--ep 3 must divide the 2 processes"),
+    (["train", "--model", "tiny", "--ep", "2", "--batch-size", "4"], "expert parallelism needs --model moe"),
+    (["train", "--model", "moe", "--ep", "2", "--strategy", "no_shard"], "shards over a 1-D mesh"),
+    (["train", "--model", "moe", "--framework", "mindspore"], "--model moe and --ep train on --framework torch"),
 ])
 def test_bad_arguments_give_one_clear_line(args, message):
     proc = fullshard(*args, timeout=60)
@@ -154,6 +158,25 @@ def test_estimate_counts_a_model_class_and_a_gpt_size():
     assert format_bytes(expected["total"]) in proc.stdout
     bad = fullshard("estimate", "--model-class", "fullshard.models.gpt:GPT", "--nproc", "2", timeout=60)
     assert bad.returncode == 2 and "no arguments" in bad.stderr
+
+
+def test_train_an_moe_with_expert_parallelism(tmp_path):
+    """--model moe --ep 2 on 4 ranks (experts split over ep pairs, sharded over efsdp pairs, tokens by
+    all-to-all) matches the single-process reference; estimate counts the same model."""
+    proc = fullshard("train", "--model", "moe", "--ep", "2", "--nproc", "4", "--batch-size", "8", "--steps", "4",
+                     "--verify", "--out", str(tmp_path / "report"), timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = json.loads((tmp_path / "report" / "report.json").read_text())
+    assert report["max_loss_deviation"] < 1e-4 and report["config"]["ep"] == 2
+    assert "split over ep groups of 2 (all-to-all tokens), sharded over efsdp 2" in proc.stdout
+    from fullshard.models.moe import MoEGPT
+
+    units = count_units(MoEGPT(MODEL_SIZES["moe"]))
+    assert report["theory"]["num_params"] == units["num_params"]
+    estimate = fullshard("estimate", "--model", "moe", "--nproc", "4", timeout=60)
+    assert estimate.returncode == 0, estimate.stderr
+    expected = peak_state_bytes(Strategy.OPTIM_GRADS_PARAMS, 4, units["num_params"], units["largest_unit"])
+    assert format_bytes(expected["total"]) in estimate.stdout
 
 
 @pytest.mark.skipif(importlib.util.find_spec("transformers") is None, reason="transformers is not installed")

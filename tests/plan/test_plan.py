@@ -405,3 +405,21 @@ def test_accumulation_is_autograds_only_where_it_sums_in_the_reduce_dtype(runtim
 
     facts = TORCH_RUNTIME if runtime == "torch" else MINDSPORE_RUNTIME
     assert plan_accumulation(same_dtype, facts) is Accumulation[expected]
+
+
+def test_mesh_groups_split_by_mesh_and_divide_by_the_whole_call():
+    """Expert parallelism: experts on an expert mesh of 2 (or 1) ranks, the rest on the call's 4; every group
+    divides by 4, the data-parallel size of the call, however small its own mesh; groups keep first-appearance
+    order and parameters keep theirs."""
+    from fullshard.plan.group import MeshFacts, plan_mesh_groups
+
+    dense, experts, alone = MeshFacts("dense", 4), MeshFacts("efsdp", 2), MeshFacts("efsdp1", 1)
+    split = plan_mesh_groups(dense, [dense, experts, dense, experts, alone])
+    assert split.members == ((0, 2), (1, 3), (4,))
+    assert split.divide_factor == 4
+    # the call's mesh counts even when no parameter is on it (an experts-only unit on the dense call mesh)
+    assert plan_mesh_groups(dense, [experts, experts]).divide_factor == 4
+    # HSDP counts replicas too: 2 x 2 covers the same 4 ranks
+    assert plan_mesh_groups(MeshFacts("hsdp", 2, replicas=2), [experts]).divide_factor == 4
+    # a wider parameter mesh than the call's wins (the call given the expert mesh, dense weights elsewhere)
+    assert plan_mesh_groups(experts, [dense, experts]).divide_factor == 4
