@@ -22,7 +22,7 @@ _EXPORTS = {
     "set_check_inputs": "fullshard.torch.checks",
     "memory_report": "fullshard.torch.accounting",
     "clip_grad_norm_": "fullshard.torch.clip",
-    "DataParallelMeshDims": "fullshard.torch.api",
+    "DataParallelMeshDims": "fullshard.torch.collectives",
     "reset_traffic": "fullshard.torch.accounting",
     "save_checkpoint": "fullshard.torch.checkpoint",
     "load_checkpoint": "fullshard.torch.checkpoint",

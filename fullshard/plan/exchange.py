@@ -55,7 +55,7 @@ from __future__ import annotations
 import enum
 import zlib
 from dataclasses import dataclass
-from typing import Optional
+from typing import Hashable, Optional, Sequence
 
 EXCHANGE_ENV = "FULLSHARD_EXCHANGE"
 MAX_PAIRWISE_RANKS = 8
@@ -255,3 +255,47 @@ def carrier_dtype(backend: Backend, dtype: str, summed: bool) -> str:
 def is_bit_cast(dtype: str, carrier: str) -> bool:
     """The carrier reinterprets the buffer's bytes (same width, no copy) rather than converting values."""
     return dtype != carrier and dtype == "bfloat16" and carrier == "float16"
+
+
+# ---------------------------------------------------------------------------------------------- meshes of one call
+# A call's parameters may sit on several meshes (FSDP2's ShardPlacementResult: experts on an expert mesh); each
+# mesh's parameters gather and reduce over their own ranks.
+@dataclass(frozen=True)
+class MeshFacts:
+    """What the plan knows of the data-parallel mesh one parameter of a call is sharded over.
+
+    ``key`` names its process groups (shard, replicate): parameters with equal keys gather and reduce together.
+    """
+
+    key: Hashable
+    shard_size: int
+    replicas: int = 1
+
+    @property
+    def data_parallel_size(self) -> int:
+        return self.shard_size * self.replicas
+
+
+@dataclass(frozen=True)
+class MeshGroups:
+    """A call's parameters split by mesh: ``members[g]`` are the parameter indices of group ``g`` (groups in order
+    of first appearance, parameters in order), and the factor every group's gradients are divided by."""
+
+    members: tuple[tuple[int, ...], ...]
+    divide_factor: int
+
+
+def plan_mesh_groups(call_mesh: MeshFacts, param_meshes: Sequence[MeshFacts]) -> MeshGroups:
+    """One group per mesh (expert parallelism puts experts on an expert mesh, the rest on the call's).
+
+    Every group divides by the data-parallel size of the whole call, the widest of its meshes, not by its own
+    mesh's: under expert parallelism an expert's local gradient already sums what the tokens of every rank of
+    its ``ep`` group sent it, so its own (expert data-parallel) mesh is ``ep`` times too small a divisor, and a
+    mean over the global batch needs the division by every data-parallel rank. A parameter on a mesh that
+    replicates it (HSDP) counts its replicas: shard x replicate covers the same ranks.
+    """
+    order: dict[Hashable, list[int]] = {}
+    for index, mesh in enumerate(param_meshes):
+        order.setdefault(mesh.key, []).append(index)
+    widest = max([call_mesh.data_parallel_size] + [m.data_parallel_size for m in param_meshes])
+    return MeshGroups(tuple(tuple(members) for members in order.values()), widest)

@@ -320,48 +320,6 @@ def lifecycle(strategy: Strategy, is_root: bool, reshard_after_forward: Optional
     return Lifecycle(after_forward, False, False, strategy is Strategy.OPTIM)
 
 
-# ---------------------------------------------------------------------------------------------- meshes of one call
-@dataclass(frozen=True)
-class MeshFacts:
-    """What the plan knows of the data-parallel mesh one parameter of a call is sharded over.
-
-    ``key`` names its process groups (shard, replicate): parameters with equal keys gather and reduce together.
-    """
-
-    key: Hashable
-    shard_size: int
-    replicas: int = 1
-
-    @property
-    def data_parallel_size(self) -> int:
-        return self.shard_size * self.replicas
-
-
-@dataclass(frozen=True)
-class MeshGroups:
-    """A call's parameters split by mesh: ``members[g]`` are the parameter indices of group ``g`` (groups in order
-    of first appearance, parameters in order), and the factor every group's gradients are divided by."""
-
-    members: tuple[tuple[int, ...], ...]
-    divide_factor: int
-
-
-def plan_mesh_groups(call_mesh: MeshFacts, param_meshes: Sequence[MeshFacts]) -> MeshGroups:
-    """One group per mesh (expert parallelism puts experts on an expert mesh, the rest on the call's).
-
-    Every group divides by the data-parallel size of the whole call, the widest of its meshes, not by its own
-    mesh's: under expert parallelism an expert's local gradient already sums what the tokens of every rank of
-    its ``ep`` group sent it, so its own (expert data-parallel) mesh is ``ep`` times too small a divisor, and a
-    mean over the global batch needs the division by every data-parallel rank. A parameter on a mesh that
-    replicates it (HSDP) counts its replicas: shard x replicate covers the same ranks.
-    """
-    order: dict[Hashable, list[int]] = {}
-    for index, mesh in enumerate(param_meshes):
-        order.setdefault(mesh.key, []).append(index)
-    widest = max([call_mesh.data_parallel_size] + [m.data_parallel_size for m in param_meshes])
-    return MeshGroups(tuple(tuple(members) for members in order.values()), widest)
-
-
 # ---------------------------------------------------------------------------------------------- the group plan
 @dataclass(frozen=True)
 class ParamFacts:

@@ -9,13 +9,17 @@ Collectives: every function starts the exchange asynchronously and returns a han
 once the output is complete (a group of one rank exchanges nothing: LOCAL copies this rank's own data).
 Buffers are plain tensors there: the caller passes only storage it may write (the outputs, scratch) and keeps
 every input alive until the wait returns.
+
+Meshes: which dims of the mesh ``fully_shard`` was given shard and replicate, and their process groups.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from fullshard.core import buffers as core
@@ -33,6 +37,7 @@ from fullshard.core.buffers import (  # noqa: F401  (re-exported: the torch runt
 )
 from fullshard.core.checks import Ranks, alone
 from fullshard.plan import Exchange
+from fullshard.torch.errors import MeshError
 
 
 class _TorchStorage:
@@ -269,3 +274,111 @@ def ranks_summing_over(groups: Sequence[Optional[dist.ProcessGroup]], device: to
 
     return Ranks(sum_over_ranks, dist.get_rank(), dist.get_world_size())
 
+
+# ---------------------------------------------------------------------------------------------- meshes
+@dataclass(frozen=True)
+class DataParallelMeshDims:
+    """The data-parallel dims of an SPMD mesh, by name (FSDP2's ``DataParallelMeshDims``; torch's is accepted)."""
+
+    shard: Optional[str | tuple[str, ...]] = None
+    replicate: Optional[str | tuple[str, ...]] = None
+
+    def __post_init__(self) -> None:
+        if self.shard is None and self.replicate is None:
+            raise ValueError("At least one of shard or replicate must be set in DataParallelMeshDims")
+
+    @property
+    def shard_names(self) -> tuple[str, ...]:
+        return _names(self.shard)
+
+    @property
+    def replicate_names(self) -> tuple[str, ...]:
+        return _names(self.replicate)
+
+
+def _names(value: Optional[str | tuple[str, ...]]) -> tuple[str, ...]:
+    if value is None:
+        return ()
+    return (value,) if isinstance(value, str) else tuple(value)
+
+
+@dataclass(frozen=True)
+class DataParallelMesh:
+    """The mesh ``fully_shard`` was given and which of its dims shard and replicate."""
+
+    mesh: DeviceMesh
+    shard_dim: Optional[int]  # None: replicate only (DDP-like)
+    replicate_dim: Optional[int]
+    spmd: bool  # the parameters are DTensors on ``mesh`` itself (dp_mesh_dims)
+
+    @property
+    def shard_group(self) -> dist.ProcessGroup:
+        """Where gradients are reduced (the replicas' group when nothing shards)."""
+        return self.mesh.get_group(self.shard_dim if self.shard_dim is not None else self.replicate_dim)
+
+    @property
+    def replicate_group(self) -> Optional[dist.ProcessGroup]:
+        """HSDP: where reduced shards are summed across replicas."""
+        if self.replicate_dim is None or self.shard_dim is None:
+            return None
+        return self.mesh.get_group(self.replicate_dim)
+
+    @property
+    def shard_mesh(self) -> DeviceMesh:
+        """The 1-D mesh of the shard dim (what all-gather extensions are told)."""
+        if self.mesh.ndim == 1:
+            return self.mesh
+        index = self.shard_dim if self.shard_dim is not None else self.replicate_dim
+        return self.mesh[self.mesh.mesh_dim_names[index]]
+
+    @property
+    def shard_rank(self) -> int:
+        return self.mesh.get_local_rank(self.shard_dim) if self.shard_dim is not None else 0
+
+    @property
+    def shard_size(self) -> int:
+        return self.mesh.size(self.shard_dim) if self.shard_dim is not None else 1
+
+
+def data_parallel_mesh(mesh: DeviceMesh, dp_mesh_dims, name: str) -> DataParallelMesh:
+    """Read which dims of ``mesh`` are data parallel: the last shards and a leading one replicates (HSDP),
+    or the ones ``dp_mesh_dims`` names."""
+    if dp_mesh_dims is None:
+        if mesh.ndim not in (1, 2):
+            raise ValueError(
+                f"fully_shard expects a 1D or 2D DeviceMesh but got {mesh}: fully_shard({name}) takes a 1-D (shard) "
+                "or 2-D (replicate, shard) mesh for HSDP; for a mesh with model-parallel dims too, pass "
+                "dp_mesh_dims naming the data-parallel ones, or pass mesh[<dp dims>]"
+            )
+        if mesh.ndim == 2 and mesh.mesh_dim_names is None:
+            raise MeshError(
+                f"Please init the 2D mesh for HSDP with mesh_dim_names specified: fully_shard({name}) got {mesh}; "
+                "build it with init_device_mesh(..., mesh_dim_names=('replicate', 'shard'))"
+            )
+        return DataParallelMesh(mesh, mesh.ndim - 1, 0 if mesh.ndim == 2 else None, spmd=False)
+    shard, replicate = dp_mesh_dims.shard_names, dp_mesh_dims.replicate_names
+    if not shard and not replicate:
+        raise ValueError(f"fully_shard({name}): dp_mesh_dims names no dim; set shard= and/or replicate=")
+    names = mesh.mesh_dim_names
+    if names is None:
+        raise ValueError(
+            f"fully_shard({name}): dp_mesh_dims needs a mesh with mesh_dim_names; build it with "
+            "init_device_mesh(..., mesh_dim_names=(...))"
+        )
+    unknown = [n for n in shard + replicate if n not in names]
+    if unknown:
+        raise ValueError(
+            f"dp_mesh_dims names {unknown}, not found in mesh.mesh_dim_names {names}: fully_shard({name}) needs "
+            "the names of the data-parallel dims of the mesh it is given"
+        )
+    if len(shard) > 1 or len(replicate) > 1:
+        raise NotImplementedError(
+            f"fully_shard({name}): dp_mesh_dims with several shard or replicate dims ({shard}, {replicate}); "
+            "flatten them into one mesh dim first (mesh[names]._flatten())"
+        )
+    return DataParallelMesh(
+        mesh,
+        names.index(shard[0]) if shard else None,
+        names.index(replicate[0]) if replicate else None,
+        spmd=True,
+    )

@@ -80,7 +80,7 @@ class ParamGroup(Group):
         self.accumulated_without_sync = False
         self.divide_factor: Optional[float] = None  # FSDPModule.set_gradient_divide_factor
         # Without one: the data-parallel size of the whole fully_shard call, which api.py sets for every group
-        # (an expert mesh's own size is too small a divisor: plan.group.plan_mesh_groups).
+        # (an expert mesh's own size is too small a divisor: plan.exchange.plan_mesh_groups).
         self.default_divide_factor: float = self.world * self.replicas
         self.all_reduce_hook: Optional[Callable[[torch.Tensor], None]] = None  # FSDPModule.set_all_reduce_hook
         self.all_reduce_hook_stream = None  # where the hook runs (None: the current stream)

@@ -24,7 +24,7 @@ meshes and the fix.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Optional
+from typing import Optional
 
 import torch
 import torch.nn as nn
@@ -34,13 +34,11 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from fullshard.torch import collectives
-from fullshard.torch.collectives import Kind, Owned
+from fullshard.torch.collectives import DataParallelMesh, Kind, Owned
 from fullshard.torch.policies import TORCH_PROMOTES_REDUCE_DTYPE
 from fullshard.plan import ShardLayout, stores_padded_chunk
 from fullshard.plan.group import ParamFacts
 
-if TYPE_CHECKING:  # api builds the mesh and imports this module
-    from fullshard.torch.api import DataParallelMesh
 
 
 @dataclass(frozen=True)

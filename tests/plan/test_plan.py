@@ -411,7 +411,7 @@ def test_mesh_groups_split_by_mesh_and_divide_by_the_whole_call():
     """Expert parallelism: experts on an expert mesh of 2 (or 1) ranks, the rest on the call's 4; every group
     divides by 4, the data-parallel size of the call, however small its own mesh; groups keep first-appearance
     order and parameters keep theirs."""
-    from fullshard.plan.group import MeshFacts, plan_mesh_groups
+    from fullshard.plan.exchange import MeshFacts, plan_mesh_groups
 
     dense, experts, alone = MeshFacts("dense", 4), MeshFacts("efsdp", 2), MeshFacts("efsdp1", 1)
     split = plan_mesh_groups(dense, [dense, experts, dense, experts, alone])
