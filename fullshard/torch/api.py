@@ -384,8 +384,19 @@ def _group(sharded: list[ShardedParam], dp: DataParallelMesh, args: _Arguments) 
     # reshard_after_forward=k: blocks of k ranks of each mesh (k must divide every mesh's shard size)
     post_forward_size = _post_forward_size(args.reshard_ranks, dp, args.name)[1]
     if post_forward_size is not None:
+        refuse_released_outputs_for_partial_reshard(sharded)
         group.post_forward_group = _post_forward_group(dp.mesh, dp.shard_dim, post_forward_size)
     return group
+
+
+def refuse_released_outputs_for_partial_reshard(sharded: list[ShardedParam]) -> None:
+    """reshard_after_forward=k keeps this rank's chunks of the gather outputs for its block: outputs released
+    right after the post hook would be gone. Refused at fully_shard, as FSDP2 2.15 does (its type and words)."""
+    if any(param.release_gather_outputs for param in sharded):
+        raise NotImplementedError(
+            "Releasing all-gather outputs after post-all-gather is not supported when reshard_after_forward is an "
+            "int because FSDP uses those outputs to construct the post-forward shard"
+        )
 
 
 def _state(module: nn.Module) -> Optional[ShardedUnit]:

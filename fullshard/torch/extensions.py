@@ -8,7 +8,9 @@ The hooks may sit on a tensor subclass or on one local tensor object (monkey-pat
   the older form) returns the tensors to gather, each this rank's padded chunk, and metadata;
 * each is all-gathered along dim 0 into an output fullshard owns (kept for the next gather);
 * ``fsdp_post_all_gather(outputs, metadata, param_dtype)`` builds the unsharded tensor the first
-  time; later gathers refill that same tensor (``out=``), which autograd may have saved.
+  time; later gathers refill that same tensor (``out=``), which autograd may have saved;
+* optionally (FSDP2 2.15, honoured on every torch) ``fsdp_should_release_all_gather_outputs_after_post_all_gather()``,
+  read once at fully_shard: True frees the outputs right after each post hook rather than at reshard.
 
 Ownership of what the hooks hand back: the gather inputs are borrowed (they may be the shard
 itself) and only read. On reshard fullshard reclaims its own outputs, which frees the unsharded
@@ -42,7 +44,8 @@ class ExtensionState:
 
     def reclaim(self) -> None:
         for output in self.outputs:
-            output.reclaim()
+            if not output.is_reclaimed:  # already freed right after the post hook (release_gather_outputs)
+                output.reclaim()
 
 
 @dataclass
@@ -69,11 +72,21 @@ class PendingExtensionGather:
                 target = self.param.unsharded_data
                 with torch.autograd._unsafe_preserve_version_counter(target):
                     local.fsdp_post_all_gather(outputs, self.metadata, dtype, out=target)
+                self._release_outputs()
                 return None
             unsharded, _tensors_to_free = local.fsdp_post_all_gather(outputs, self.metadata, dtype)
+        self._release_outputs()
         self.state.unsharded = unsharded
         shape = self.param.layout.shape
         return torch.as_strided(unsharded, shape, contiguous_stride(shape), storage_offset=0)
+
+    def _release_outputs(self) -> None:
+        """The tensor's ``fsdp_should_release_all_gather_outputs_after_post_all_gather`` said the unsharded tensor
+        holds copies, not views, of the outputs: the outputs are fullshard's, so they are reclaimed now instead of
+        at reshard (the unsharded tensor and the raw outputs are not both alive in forward and backward);
+        the next gather regrows them."""
+        if self.param.release_gather_outputs:
+            self.state.reclaim()
 
     def abandon(self) -> None:
         collectives.release_all(self.inputs)

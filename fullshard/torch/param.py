@@ -41,6 +41,27 @@ from fullshard.plan.group import ParamFacts
 
 
 
+RELEASE_HOOK = "fsdp_should_release_all_gather_outputs_after_post_all_gather"
+
+
+def _releases_gather_outputs(local: torch.Tensor) -> bool:
+    """FSDP2 2.15's optional third extension hook: True declares that what ``fsdp_post_all_gather`` builds does
+    not view the raw gather outputs, so fullshard may free them as soon as it has run (``extensions.py``). It is
+    the user's tensor's method, not torch's, so it is honoured whatever torch is installed."""
+    hook = getattr(local, RELEASE_HOOK, None)
+    if hook is None:
+        return False
+    # FSDP2's exception types and words, which users may match on.
+    if not hasattr(local, "fsdp_post_all_gather"):
+        raise AssertionError(
+            f"{RELEASE_HOOK} requires fsdp_pre_all_gather and fsdp_post_all_gather to be defined: {local}"
+        )
+    release = hook()
+    if not isinstance(release, bool):
+        raise AssertionError(f"{RELEASE_HOOK} must return a bool, got {type(release)}")
+    return release
+
+
 @dataclass(frozen=True)
 class ShardedSpec:
     """Where a sharded parameter lives: its DTensor's mesh, placements and global shape, and what the
@@ -252,7 +273,7 @@ class ShardedParam:
         # The parameter's own local tensor (from_local and Parameter each make a view of
         # ``local``): what refresh_from_module compares against to see a replacement.
         self._local = self.sharded._local_tensor
-        self.extended = self.extension is not None
+        self._adopt_extension()
         self.register_sharded()
 
     def _apply_grad_dtype(self, sharded: nn.Parameter) -> None:
@@ -282,7 +303,7 @@ class ShardedParam:
             extended = self.extension is not None
             if current.requires_grad == self.requires_grad and extended == self.extended:
                 return False
-            self.extended = extended  # extensions patched onto the local tensor after fully_shard
+            self._adopt_extension()  # extensions patched onto the local tensor after fully_shard
             # Frozen or unfrozen after fully_shard (fine-tuning): the buckets, which only join
             # parameters of one trainability, and the unsharded parameters follow.
             self.requires_grad = current.requires_grad
@@ -312,9 +333,16 @@ class ShardedParam:
             current._local_tensor = self._store_local(current._local_tensor)
         self.sharded, self._local = current, current._local_tensor
         self._apply_grad_dtype(current)
-        self.extended = self.extension is not None
+        self._adopt_extension()
         self.register_sharded()
         return True
+
+    def _adopt_extension(self) -> None:
+        """Read the local tensor's hooks once per local tensor (at fully_shard, and again only when the
+        parameter is rebuilt or gains or loses extensions), not at every gather: what to do with the gather outputs
+        must not change between the gathers of one step."""
+        self.extended = self.extension is not None
+        self.release_gather_outputs = _releases_gather_outputs(self.sharded._local_tensor)
 
     @property
     def extension(self) -> Optional[torch.Tensor]:
