@@ -139,10 +139,13 @@ class ParamGroup(Group):
         """Shards live in CPU memory while computing on an accelerator (copies may be in flight)."""
         return any(p.offloaded and p.device.type != "cpu" for p in self.params)
 
-    def follow_replaced_params(self) -> None:
-        """Re-adopt parameters the user replaced (``to_empty``, ``.to(dtype)``, ``load_state_dict(assign=True)``)."""
+    def follow_replaced_params(self) -> bool:
+        """Re-adopt parameters the user replaced (``to_empty``, ``.to(dtype)``, ``load_state_dict(assign=True)``);
+        True if any was (the group was planned afresh)."""
         if any([param.refresh_from_module() for param in self.params]):
             self.replan()
+            return True
+        return False
 
     def refresh(self) -> None:
         """At a root forward: follow replaced parameters; parameters still on the meta device would be trained

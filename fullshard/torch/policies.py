@@ -81,3 +81,47 @@ class CPUOffloadPolicy(OffloadPolicy):
     """Keep sharded parameters and gradients in CPU memory (``pin_memory`` for fast copies)."""
 
     pin_memory: bool = True
+
+
+# ------------------------------------------------------------------ Tensor.grad_dtype policies (FSDP2 2.15)
+# A parameter's explicit ``Tensor.grad_dtype`` is its policy (ShardedParam.has_grad_dtype/grad_dtype): nn.Module's
+# _apply and load_state_dict(assign=True) put new parameter objects in, which have none, so fullshard keeps the
+# policy itself and gives it back to them (ShardedParam._apply_grad_dtype). Only where torch has such policies.
+def capture_grad_dtype_policy(param) -> bool:
+    """Adopt an explicit ``grad_dtype`` set on the parameter the module shows now (after fully_shard, or on a
+    parameter loaded with assign=True): it is the user's latest word. An unset one never clears the policy (the
+    rebuilt parameters have none). True if the policy changed (the group's plan must follow)."""
+    if not TORCH_PROMOTES_REDUCE_DTYPE:
+        return False
+    module, name = param.owners[0]
+    changed = False
+    for tensor in (param.sharded, module._parameters.get(name)):
+        if isinstance(tensor, torch.Tensor) and tensor._has_grad_dtype_override:
+            changed |= not param.has_grad_dtype or param.grad_dtype != tensor.grad_dtype
+            param.has_grad_dtype, param.grad_dtype = True, tensor.grad_dtype
+    return changed
+
+
+def show_grad_dtype_policy(param) -> None:
+    """The parameter the module shows now carries the policy, if it has none of its own (one put in by
+    load_state_dict(assign=True), before fullshard re-adopts it at the next forward)."""
+    module, name = param.owners[0]
+    current = module._parameters.get(name)
+    if param.has_grad_dtype and isinstance(current, torch.Tensor) and not current._has_grad_dtype_override:
+        current.grad_dtype = param.grad_dtype
+
+
+def take_explicit_grad(param) -> Optional[torch.Tensor]:
+    """Take the sharded gradient off a parameter whose explicit ``grad_dtype`` chose its dtype, before nn.Module's
+    _apply: _apply would convert it with the parameter (``.bfloat16()`` would make an fp32 gradient bf16)."""
+    grad = param.sharded.grad
+    if grad is None or not param.has_grad_dtype:
+        return None
+    param.sharded.grad = None
+    return grad
+
+
+def restore_explicit_grad(param, grad: torch.Tensor) -> None:
+    """Give a gradient ``take_explicit_grad`` took back to the (maybe rebuilt) sharded parameter, which has its
+    policy again: moved to the parameter's device, its dtype kept."""
+    param.sharded.grad = grad.to(device=param.sharded.device).requires_grad_(grad.requires_grad)

@@ -44,7 +44,9 @@ from fullshard.torch.collectives import ranks_summing_over
 from fullshard.torch.errors import DeepcopyError
 from fullshard.torch.finalize import FinalizationMethods
 from fullshard.torch.group import ParamGroup
-from fullshard.torch.policies import MixedPrecisionPolicy
+from fullshard.torch.policies import (
+    MixedPrecisionPolicy, capture_grad_dtype_policy, restore_explicit_grad, show_grad_dtype_policy, take_explicit_grad,
+)
 
 _active = threading.local()
 # torch's own class, taken once at import (see api.py's policy classes for why not at call time).
@@ -196,6 +198,7 @@ class ShardedUnit(Unit):
         for module in modules:
             module.register_state_dict_pre_hook(self._before_state_dict)
             module.register_load_state_dict_pre_hook(self._before_load_state_dict)
+            module.register_load_state_dict_post_hook(self._after_load_state_dict)
             # torch.compile traces the module's own forward and leaves the hooks to run eagerly
             # (a graph break at each unit's edges): they issue collectives, wait on them and swap
             # registered parameters, none of which belongs in a traced graph.
@@ -238,6 +241,15 @@ class ShardedUnit(Unit):
                 value = state_dict.get(key)
                 if isinstance(value, torch.Tensor) and not isinstance(value, DTensor) and value.shape == param.spec.shape:
                     state_dict[key] = param.full_to_sharded(value)
+
+    def _after_load_state_dict(self, *_args: Any) -> None:
+        """FSDP2 2.15: parameters load_state_dict(assign=True) put in have no ``Tensor.grad_dtype``; they show the
+        policy at once (an explicit one they bring is adopted)."""
+        for group in self.groups:
+            if any([capture_grad_dtype_policy(param) for param in group.params]):
+                group.replan()
+            for param in group.params:
+                show_grad_dtype_policy(param)
 
     # ------------------------------------------------------------------ forward
     def _pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
@@ -337,10 +349,18 @@ class FSDPModule(FSDPModuleMethods, FinalizationMethods, torch_fsdp.FSDPModule):
         # to_empty(), .to(), .float() ... replace sharded parameters or their data:
         # show the sharded ones first, then re-adopt what changed.
         self.reshard()
+        groups = getattr(self, UNIT_ATTR).groups
+        changed = [any([capture_grad_dtype_policy(p) for p in group.params]) for group in groups]
+        kept = [(p, take_explicit_grad(p)) for group in groups for p in group.params]
         # Past torch's FSDPModule (its _apply needs FSDP2 state) to the original class.
         result = super(_TORCH_FSDP_MODULE, self)._apply(*args, **kwargs)
-        for group in getattr(self, UNIT_ATTR).groups:
-            group.follow_replaced_params()
+        for group, policy_changed in zip(groups, changed):
+            if not group.follow_replaced_params() and policy_changed:
+                group.replan()  # the parameters stayed, but what their gradients accumulate in did not
+        with torch.no_grad():
+            for param, grad in kept:
+                if grad is not None:
+                    restore_explicit_grad(param, grad)
         return result
 
     def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True) -> None:

@@ -449,7 +449,8 @@ def _two_tensor_extensions(release=None, extensions=True):
 def _two_tensor_stack():
     from torch.testing._internal.two_tensor import TwoTensor
 
-    model = nn.Sequential(*(nn.Linear(8, 8, bias=False) for _ in range(3)))  # no bias: see test_fsdp2's TwoTensor test
+    # no bias: see test_fsdp2's TwoTensor test
+    model = nn.Sequential(*(nn.Linear(8, 8, bias=False) for _ in range(3)))
     for layer in model:
         layer.weight = nn.Parameter(TwoTensor(layer.weight.detach(), layer.weight.detach().clone()))
     return model
@@ -554,3 +555,62 @@ def test_released_gather_outputs_are_refused_with_an_int_reshard_after_forward()
     with pytest.raises(NotImplementedError, match="reshard_after_forward is an int"):
         refuse_released_outputs_for_partial_reshard([SimpleNamespace(release_gather_outputs=False),
                                                      SimpleNamespace(release_gather_outputs=True)])
+
+
+# ---------------------------------------------------------------------------------------------- grad_dtype kept
+def _grad_dtypes(model: nn.Module) -> dict[str, tuple]:
+    """Each parameter's (dtype, explicit grad_dtype or 'unset', gradient dtype or None)."""
+    return {name: (p.dtype, p.grad_dtype if p._has_grad_dtype_override else "unset",
+                   None if p.grad is None else p.grad.dtype) for name, p in model.named_parameters()}
+
+
+@scenario
+def grad_dtype_survives_module_conversions():
+    """Tensor.grad_dtype (torch 2.15): ``.bfloat16()`` converts the parameters, but a gradient whose dtype an explicit
+    grad_dtype chose keeps it (and its values), and the policy stays on the rebuilt parameters; unset ones follow
+    the new dtype. A grad_dtype set on a sharded parameter after fully_shard is adopted at the conversion. (Stock
+    FSDP2 2.15 shows the same dtypes and values through the conversion; its next forward fails in its all-gather,
+    "Expected out tensor to have dtype BFloat16", so the step after it is fullshard's own.)"""
+    if not TORCH_PROMOTES_REDUCE_DTYPE:
+        return "skipped: the installed torch has no gradient dtype policies"
+    torch.manual_seed(0)
+    plain = _Normed()
+    plain.out.weight.grad_dtype = torch.float32  # explicit, equal to the parameter's dtype
+    model = fully_shard(plain, mesh=mesh_1d())
+    _one_backward(model)
+    grad = model.out.weight.grad.to_local().clone()
+    model.norm.weight.grad = None
+    model.norm.weight.grad_dtype = torch.float64  # after fully_shard: adopted by the next conversion
+    model.bfloat16()
+    dtypes = _grad_dtypes(model)
+    assert dtypes["out.weight"] == (torch.bfloat16, torch.float32, torch.float32), dtypes
+    assert dtypes["fc.weight"] == (torch.bfloat16, "unset", torch.bfloat16), dtypes  # converted with its parameter
+    assert dtypes["norm.weight"][1] == torch.float64, dtypes
+    torch.testing.assert_close(model.out.weight.grad.to_local(), grad, rtol=0, atol=0)
+    model.zero_grad()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    _mse(model, tuple(t.chunk(world)[rank].bfloat16() for t in _normed_batch(0, 4))).backward()
+    dtypes = _grad_dtypes(model)
+    assert [dtypes[n][2] for n in ("out.weight", "fc.weight", "norm.weight")] == \
+        [torch.float32, torch.bfloat16, torch.float64], dtypes
+    return {name: str(d[2]) for name, d in dtypes.items()}
+
+
+@scenario
+def grad_dtype_survives_load_state_dict_with_assign():
+    """load_state_dict(assign=True) puts new parameters in, without a grad_dtype: they show the policy at once, and
+    their gradients are in it."""
+    if not TORCH_PROMOTES_REDUCE_DTYPE:
+        return "skipped: the installed torch has no gradient dtype policies"
+    torch.manual_seed(0)
+    plain = _Normed()
+    plain.out.weight.grad_dtype = torch.float64
+    model = fully_shard(plain, mesh=mesh_1d())
+    before = model.out.weight
+    model.load_state_dict({k: v.detach().clone() for k, v in model.state_dict().items()}, assign=True)
+    assert model.out.weight is not before and model.out.weight.grad_dtype == torch.float64, _grad_dtypes(model)
+    assert _grad_dtypes(model)["fc.weight"][1] == "unset"
+    _one_backward(model)
+    dtypes = _grad_dtypes(model)
+    assert dtypes["out.weight"][2] == torch.float64 and dtypes["fc.weight"][2] == torch.float32, dtypes
+    return {name: str(d[2]) for name, d in dtypes.items()}
