@@ -532,7 +532,8 @@ def released_gather_outputs_are_freed_after_the_post_hook():
 @scenario
 def release_hook_misuse_is_refused_at_fully_shard():
     for kwargs, error, words in (
-        ({"release": True, "extensions": False}, AssertionError, "requires fsdp_pre_all_gather and fsdp_post_all_gather"),
+        ({"release": True, "extensions": False}, AssertionError,
+         "requires fsdp_pre_all_gather and fsdp_post_all_gather"),
         ({"release": 1}, AssertionError, "must return a bool, got <class 'int'>"),
     ):
         with _two_tensor_extensions(**kwargs):
@@ -614,3 +615,39 @@ def grad_dtype_survives_load_state_dict_with_assign():
     dtypes = _grad_dtypes(model)
     assert dtypes["out.weight"][2] == torch.float64 and dtypes["fc.weight"][2] == torch.float32, dtypes
     return {name: str(d[2]) for name, d in dtypes.items()}
+
+
+# ---------------------------------------------------------------------------------------------- unused parameters
+class _Branchy(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc, self.expert, self.out = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 4)
+
+    def forward(self, x, use_expert: bool):
+        h = torch.relu(self.fc(x))
+        return self.out(h + self.expert(h) if use_expert else h)
+
+
+@scenario
+def unused_parameters_with_grad_dtype_none_reduce_without_a_reduce_dtype():
+    """FSDP2 2.15 refuses set_reduce_scatter_unused_params(True) for a parameter with grad_dtype=None and no
+    reduce_dtype (ValueError at backward): its ranks could make zero gradients in another dtype than the real
+    ones. fullshard's reduction dtype is planned from the configuration, the same on every rank, and a missing
+    gradient is a zero cast into it like any other, so fullshard reduces it (docs/fsdp2-compatibility.md): rank 0
+    uses the expert, rank 1 does not, and the gradients match the single-process reference."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    reference = _Branchy()
+    plain = copy.deepcopy(reference)
+    if TORCH_PROMOTES_REDUCE_DTYPE:
+        plain.expert.weight.grad_dtype = None  # any dtype autograd gives
+    # one unit: it runs forward on every rank; the expert's parameters get no gradient on rank 1
+    model = fully_shard(plain, mesh=mesh_1d(), mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
+    model.set_reduce_scatter_unused_params(True)
+    batches = [_normed_batch(step, 2) for step in range(world)]
+    _mse(lambda x: model(x, rank == 0), batches[rank]).backward()
+    sum(_mse(lambda x: reference(x, r == 0), batches[r]) for r in range(world)).div(world).backward()
+    for (name, param), ref in zip(model.named_parameters(), reference.parameters()):
+        assert param.grad is not None, name
+        torch.testing.assert_close(param.grad.full_tensor().float(), ref.grad, rtol=2e-2, atol=2e-2, msg=name)
+    return {name: str(p.grad.dtype) for name, p in model.named_parameters()}
