@@ -108,7 +108,9 @@ class ParamGroup(Group):
         # Gradients were returned since the last gather, so an optimizer may have stepped on them: MindSpore keeps
         # no version counter that would show the write, so a kept copy is gathered again (_shards_changed).
         self.returned_grads_since_gather = False
-        self.divide_factor: Optional[float] = None
+        self.divide_factor: Optional[float] = None  # the user's (set_gradient_divide_factor, set_reduce_op_type)
+        # fully_shard's: the call's data-parallel size, the widest of its meshes (plan_mesh_groups)
+        self.default_divide_factor: Optional[float] = None
 
     @property
     def module_name(self) -> str:
@@ -123,7 +125,9 @@ class ParamGroup(Group):
 
     @property
     def divisor(self) -> float:
-        return self.divide_factor if self.divide_factor is not None else float(self.data_parallel_size)
+        if self.divide_factor is not None:
+            return self.divide_factor
+        return self.default_divide_factor or float(self.data_parallel_size)
 
     @property
     def requires_grad(self) -> bool:
