@@ -146,6 +146,17 @@ class ParamGroup(Group):
             storage[-1].reclaim()
         return Gathered(tuple(s.tensor for s in storage), storage)
 
+    def materialize(self) -> None:
+        """Remake fullshard's own storage after ``cell.to_empty()`` (meta-device init): what ``fully_shard`` made
+        inside ``ms.DeviceCtx("meta")`` is meta too, and ``to_empty`` reaches only the cells' parameters."""
+        for gathered in self.gathered:
+            for owned in gathered.storage:
+                owned.drop()  # meta storage cannot be resized; there is nothing in it to free
+        self.gathered = [self._empty(index) for index in range(len(self.plan.buckets))]
+        self.carried_outputs = None
+        for param in self.params:
+            param.materialize()
+
     def tensors(self) -> tuple[Tensor, ...]:
         """Every member's unsharded tensor, ``in_bucket_order`` (what a node returns for this group)."""
         return tuple(t for gathered in self.gathered for t in gathered.tensors)

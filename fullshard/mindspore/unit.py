@@ -125,6 +125,11 @@ class ShardedUnit(Unit):
         return self.is_root is False and (self.reduces_at_end_of_backward
                                           or any(g.reduce_unused_params for g in self.groups))
 
+    def materialize(self) -> None:
+        """fullshard's storage for this unit, anew (``FSDPModule.to_empty``: meta-device init)."""
+        for group in self.groups:
+            group.materialize()
+
     # ------------------------------------------------------------------ forward
     def _pre_forward(self, cell: nn.Cell, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         self.ensure_root()
@@ -231,6 +236,15 @@ class FSDPModule(FSDPModuleMethods):
         if op not in ("avg", "sum"):
             raise ValueError(f"set_reduce_op_type: {op!r} is not 'avg' or 'sum'")
         self._configure(True, divide_factor=1.0 if op == "sum" else None)
+
+    def to_empty(self, *, device: Optional[str] = None, recurse: bool = True) -> nn.Cell:
+        """``Cell.to_empty`` (storage for the shards, left uninitialized), then fullshard's own buffers for every
+        sharded cell in reach: the meta-device init of a model wrapped inside ``ms.DeviceCtx("meta")``. Fill the
+        shards afterwards (``set_data``, ``load_checkpoint``)."""
+        super().to_empty(device=device, recurse=recurse)
+        for unit in self._units(recurse):
+            unit.materialize()
+        return self
 
     def zero_grad(self) -> None:
         """Zero every ``main_grad`` in reach (MixedPrecisionPolicy(apply_grad_on_fp32_main_grad=True))."""
