@@ -31,7 +31,7 @@ from fullshard.core.unit import Root, TrainingPhase, Unit, named_under
 from fullshard.core.trees import map_leaves
 from fullshard.mindspore.autograd import drop_failed_recording, in_pynative_mode, queue_after_backward, recording
 from fullshard.mindspore.group import ParamGroup, UnitGather, carried_by
-from fullshard.mindspore.collectives import FLOAT_DTYPES, world_ranks
+from fullshard.mindspore.collectives import FLOAT_DTYPES, storage_copy_works, world_ranks
 from fullshard.mindspore.policies import MixedPrecisionPolicy
 from fullshard.plan.group import Strategy
 
@@ -242,6 +242,7 @@ class FSDPModule(FSDPModuleMethods):
         sharded cell in reach: the meta-device init of a model wrapped inside ``ms.DeviceCtx("meta")``. Fill the
         shards afterwards (``set_data``, ``load_checkpoint``)."""
         super().to_empty(device=device, recurse=recurse)
+        storage_copy_works()  # a meta context may have broken MindSpore's storage copy (collectives.refill)
         for unit in self._units(recurse):
             unit.materialize()
         return self
