@@ -19,7 +19,7 @@ from fullshard.mindspore.unit import FSDP_CLASSES, FSDPModule, ShardedUnit
 from fullshard.mindspore.param import MANAGED_ATTR, ShardedParam
 from fullshard.mindspore.policies import MixedPrecisionPolicy, OffloadPolicy
 from fullshard.plan import DEFAULT_FUSE_BELOW_NUMEL, Exchange, ShardLayout
-from fullshard.plan.exchange import Collectives, choose_collectives
+from fullshard.plan.exchange import Collectives, MeshFacts, choose_collectives, plan_mesh_groups
 from fullshard.plan.group import AfterBackward, Strategy, lifecycle
 
 def check_mp_policy(policy: Any, cell_name: str) -> MixedPrecisionPolicy:
@@ -101,7 +101,7 @@ def fully_shard(
     *,
     mesh: Optional[DeviceMesh] = None,
     reshard_after_forward: Optional[bool] = None,
-    shard_placement_fn: Optional[Callable[[Parameter], Optional[Shard]]] = None,
+    shard_placement_fn: Optional[Callable[[Parameter], Any]] = None,
     mp_policy: Any = None,
     offload_policy: Any = None,
     ignored_params: Optional[Iterable[Parameter]] = None,
@@ -117,6 +117,9 @@ def fully_shard(
     cells forms one communication group.
 
     * ``mesh``: 1-D (shard) or 2-D (replicate, shard) for HSDP; None: 1-D over every rank.
+    * ``shard_placement_fn(param)``: ``Shard(dim)``, None (dim 0), or ``(Shard(dim) or None, mesh)`` to put the
+      parameter on a mesh of its own (MoE experts on an expert mesh); one group per mesh, every group's
+      gradients divided by the call's data-parallel size (``fullshard.plan.exchange.plan_mesh_groups``).
     * ``reshard_after_forward``: free the unsharded parameters after forward and gather them again
       for backward; None: the strategy's choice (ZeRO-3: yes, except for the root).
     * ``strategy``: ``"no_shard"``, ``"optim"``, ``"optim_grads"`` or ``"optim_grads_params"`` (the
@@ -175,21 +178,58 @@ def _plan_params(cells: list[nn.Cell], args: _Arguments, shard_placement_fn: Any
         raise ValueError(f"fully_shard({args.name}): {reachable[next(iter(both))].name} is in both ignored_params and "
                          "replicate_params; it can be one or the other")
     owners, params = _owners_of_params(cells)
-    shard_dim_of_mesh = args.mesh.ndim - 1  # the last mesh dim shards; a leading one (HSDP) replicates
-    world = args.mesh.size(shard_dim_of_mesh)
     plans = []
     for key, param in params.items():
         if key in ignored:
             continue
         path = owners[key][0][2]
         check_not_managed(getattr(param, MANAGED_ATTR, False), False, path, args.name)
+        _check_not_meta(param, path, args.name)
         replicated = args.strategy is Strategy.NO_SHARD or key in replicated_ids
-        placement = shard_placement_fn(param) if shard_placement_fn is not None and not replicated else None
+        # Asked under no_shard too, only so that a mesh of the parameter's own is refused rather than ignored.
+        answer = shard_placement_fn(param) if shard_placement_fn is not None and key not in replicated_ids else None
+        placement, mesh = _placement_and_mesh(answer, args, path)
+        placement = None if replicated else placement
         dim = shard_dim(placement, Shard, tuple(param.shape), path, args.name)
-        layout = ShardLayout(tuple(param.shape), dim, 1 if replicated else world)
-        plans.append((param, [(c, attr) for c, attr, _ in owners[key]], path, layout, replicated))
+        layout = ShardLayout(tuple(param.shape), dim, 1 if replicated else mesh.size(mesh.ndim - 1))
+        plans.append((param, [(c, attr) for c, attr, _ in owners[key]], path, layout, replicated, mesh))
         _warn_empty_shards(layout, path, args.name)
     return plans
+
+
+def _placement_and_mesh(answer: Any, args: _Arguments, path: str) -> tuple[Any, DeviceMesh]:
+    """``shard_placement_fn`` answers ``Shard(dim)``, None, or ``(Shard(dim) or None, mesh)``: a mesh of the
+    parameter's own (MoE experts on their expert-FSDP mesh, as FSDP2's ``ShardPlacementResult``)."""
+    if not isinstance(answer, tuple):
+        return answer, args.mesh
+    if len(answer) != 2 or not isinstance(answer[1], DeviceMesh):
+        raise ValueError(
+            f"fully_shard({args.name}): shard_placement_fn returned {answer!r} for '{path}'; a tuple must be "
+            "(Shard(dim) or None, mesh) with a mesh from fullshard.mindspore.init_device_mesh"
+        )
+    if args.strategy is Strategy.NO_SHARD:
+        raise ValueError(
+            f"fully_shard({args.name}): shard_placement_fn gave '{path}' a mesh of its own, but strategy "
+            "'no_shard' replicates everything over the call's mesh; return Shard(dim) or None instead"
+        )
+    return answer
+
+
+def _check_not_meta(param: Parameter, path: str, name: str) -> None:
+    """A meta parameter has no data to cut outside ``ms.DeviceCtx("meta")`` (MindSpore's own error says only
+    "Cannot use meta tensor"); inside it, fully_shard works and ``cell.to_empty()`` materializes afterwards."""
+    if getattr(param, "is_meta", False) and _current_device() != "meta":
+        raise RuntimeError(
+            f"fully_shard({name}): parameter '{path}' is on the meta device; call fully_shard inside "
+            "`with ms.DeviceCtx(\"meta\"):` and then `cell.to_empty(device=\"CPU\")` (fullshard allocates its own "
+            "buffers then) and initialize the shards, or create the cell outside the meta context"
+        )
+
+
+def _current_device() -> str:
+    from mindspore.device_manager import get_current_device
+
+    return get_current_device().device_target
 
 
 def _warn_empty_shards(layout: ShardLayout, path: str, name: str) -> None:
@@ -203,38 +243,55 @@ def _warn_empty_shards(layout: ShardLayout, path: str, name: str) -> None:
         )
 
 
+def _comms(mesh: DeviceMesh) -> tuple[Comm, Optional[Comm]]:
+    """The mesh's shard group and, for HSDP with more than one replica, its replica group."""
+    shard = mesh.ndim - 1
+    shard_comm = Comm(mesh.get_group(shard), mesh.size(shard), mesh.get_local_rank(shard))
+    if mesh.ndim == 1 or mesh.size(0) == 1:
+        return shard_comm, None
+    return shard_comm, Comm(mesh.get_group(0), mesh.size(0), mesh.get_local_rank(0))
+
+
+def _facts(mesh: DeviceMesh) -> MeshFacts:
+    """Meshes whose groups are the same (by name and ranks) gather and reduce together, whatever object holds them."""
+    shard, replica = _comms(mesh)
+    key = (shard.group, shard.size, replica.group if replica else None, replica.size if replica else 1)
+    return MeshFacts(key, shard.size, replica.size if replica else 1)
+
+
 def _apply(cells: list[nn.Cell], args: _Arguments, plans: list[tuple]) -> None:
     """Everything is checked. Shards and plans are made first (nothing the cells see), then installed."""
-    mesh = args.mesh
-    shard_dim_of_mesh = mesh.ndim - 1
-    rank, world = mesh.get_local_rank(shard_dim_of_mesh), mesh.size(shard_dim_of_mesh)
-    shard_comm = Comm(mesh.get_group(shard_dim_of_mesh), world, rank)
-    replica_comm = Comm(mesh.get_group(0), mesh.size(0), mesh.get_local_rank(0)) if mesh.ndim == 2 else None
-    if replica_comm is not None and replica_comm.size == 1:
-        replica_comm = None
-    flags = lifecycle(args.strategy, is_root=False, reshard_after_forward=args.reshard_after_forward)
     sharded = [
-        ShardedParam(param, holders, path, layout, rank, args.mp.param_dtype, args.mp.apply_grad_on_fp32_main_grad,
-                     replicated)
-        for param, holders, path, layout, replicated in plans
+        ShardedParam(param, holders, path, layout, mesh.get_local_rank(mesh.ndim - 1), args.mp.param_dtype,
+                     args.mp.apply_grad_on_fp32_main_grad, replicated)
+        for param, holders, path, layout, replicated, mesh in plans
     ]
+    # One group per mesh (and per kind: sharded, replicated), all dividing by the call's data-parallel size.
+    split = plan_mesh_groups(_facts(args.mesh), [_facts(plan[5]) for plan in plans])
     groups = []
-    for replicated in (False, True):
-        members = [p for p in sharded if p.replicated is replicated]
-        if not members:
-            continue
-        if replicated:  # nothing to gather; gradients are all-reduced
-            collectives = Collectives(Exchange.LOCAL, Exchange.COLLECTIVE if world > 1 else Exchange.LOCAL)
-        else:
-            collectives = choose_collectives(mesh.backend, world, mesh.is_world_group(shard_dim_of_mesh))
-        groups.append(ParamGroup(
-            members, shard_comm, replica_comm, args.mp.reduce_dtype, args.name, collectives, mesh.backend,
-            args.fuse_below_numel, replicated=replicated,
-            after_backward=AfterBackward.RESHARD if flags.reshard_after_backward else AfterBackward.KEEP_STORAGE,
-        ))
+    for members in split.members:
+        for replicated in (False, True):
+            chosen = [sharded[i] for i in members if sharded[i].replicated is replicated]
+            if chosen:
+                groups.append(_group(chosen, plans[members[0]][5], args, replicated))
+                groups[-1].default_divide_factor = float(split.divide_factor)
     # From here on the cells are changed.
     for param in sharded:
         param.install()
     unit = ShardedUnit(cells, groups, args.mp, args.reshard_after_forward, args.strategy)
     for c in cells:
         become_fsdp_module(c, FSDPModule, FSDP_CLASSES, unit, object.__setattr__)
+
+
+def _group(members: list[ShardedParam], mesh: DeviceMesh, args: _Arguments, replicated: bool) -> ParamGroup:
+    shard_comm, replica_comm = _comms(mesh)
+    flags = lifecycle(args.strategy, is_root=False, reshard_after_forward=args.reshard_after_forward)
+    if replicated:  # nothing to gather; gradients are all-reduced
+        how = Collectives(Exchange.LOCAL, Exchange.COLLECTIVE if shard_comm.size > 1 else Exchange.LOCAL)
+    else:
+        how = choose_collectives(mesh.backend, shard_comm.size, mesh.is_world_group(mesh.ndim - 1))
+    return ParamGroup(
+        members, shard_comm, replica_comm, args.mp.reduce_dtype, args.name, how, mesh.backend,
+        args.fuse_below_numel, replicated=replicated,
+        after_backward=AfterBackward.RESHARD if flags.reshard_after_backward else AfterBackward.KEEP_STORAGE,
+    )

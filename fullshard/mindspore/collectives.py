@@ -35,6 +35,7 @@ torch in ways that shape every call here:
 """
 from __future__ import annotations
 
+import ctypes
 from dataclasses import dataclass
 from math import prod
 from typing import Any, Iterable, Optional, Sequence
@@ -152,7 +153,9 @@ def init_device_mesh(
     if device not in _BACKEND_OF_DEVICE:
         raise ValueError(f"init_device_mesh: device type {device_type!r} is not one of 'cpu', 'npu'")
     target = ms.get_context("device_target")
-    if target != _DEVICE_TARGET[device]:
+    # Inside ms.DeviceCtx("meta") (a wrap before to_empty) the target reads "meta": the backend check below still
+    # ties the mesh to a real device.
+    if target not in (_DEVICE_TARGET[device], "meta"):
         raise ValueError(
             f"init_device_mesh: device type {device_type!r} but MindSpore runs on {target}; "
             f"pass {'cpu' if target == 'CPU' else 'npu'!r} or call ms.set_device({_DEVICE_TARGET[device]!r}) first"
@@ -204,7 +207,11 @@ def default_mesh() -> DeviceMesh:
             "fully_shard: no mesh given and MindSpore's communication is not initialized; call "
             "mindspore.communication.init() (under msrun) or pass mesh=init_device_mesh(...)"
         )
-    device = "cpu" if ms.get_context("device_target") == "CPU" else "npu"
+    target = ms.get_context("device_target")
+    if target == "meta":  # inside ms.DeviceCtx("meta"): the device is the communication backend's
+        device = "cpu" if GlobalComm.BACKEND == "mccl" else "npu"
+    else:
+        device = "cpu" if target == "CPU" else "npu"
     return init_device_mesh(device, (get_group_size(),))
 
 
@@ -292,10 +299,44 @@ def refill(buffer: Owned, source: Tensor) -> None:
 
     Storage to storage: autograd keeps references to the tensors over this
     storage (saved for backward), and the copy neither replaces them nor
-    counts as an in-place edit of them.
+    counts as an in-place edit of them (``Tensor.copy_`` would: backward then
+    refuses the saved tensors). Where MindSpore's storage copy does nothing
+    (:func:`storage_copy_works`), the bytes are moved host to host.
     """
     buffer.regrow()
-    buffer.writable("refill after an all-gather").untyped_storage().copy_(source.untyped_storage())
+    target = buffer.writable("refill after an all-gather")
+    if _STORAGE_COPY["works"] is None:
+        storage_copy_works()
+    if _STORAGE_COPY["works"]:
+        target.untyped_storage().copy_(source.untyped_storage())
+        return
+    if ms.get_context("device_target") != "CPU":
+        raise RuntimeError(
+            "fullshard.mindspore: MindSpore's UntypedStorage.copy_ writes nothing in this process (it was first "
+            "used after ms.DeviceCtx(\"meta\")); call fullshard.mindspore.collectives.storage_copy_works() once before "
+            "entering the meta context (a storage copy made before it keeps working)"
+        )
+    from mindspore._c_expression import _wait_pipeline  # what DeviceCtx itself waits with: the source is computed
+
+    _wait_pipeline()
+    ctypes.memmove(target.untyped_storage().data_ptr(), source.untyped_storage().data_ptr(), source.untyped_storage().nbytes())
+
+
+_STORAGE_COPY: dict = {"works": None}
+
+
+def storage_copy_works() -> bool:
+    """Whether ``UntypedStorage.copy_`` writes, probed on two tiny tensors (and remembered).
+
+    MindSpore 2.10 (CPU): once ``ms.DeviceCtx("meta")`` has been entered in a process before its first storage
+    copy, every later storage copy silently leaves the target unchanged (``Tensor.copy_`` still works). A meta
+    init (``FSDPModule.to_empty``) probes again.
+    """
+    with no_grad():
+        target, source = ops.zeros((2,), ms.float32), ops.ones((2,), ms.float32)
+        target.untyped_storage().copy_(source.untyped_storage())
+        _STORAGE_COPY["works"] = bool(target.asnumpy().all())
+    return _STORAGE_COPY["works"]
 
 
 # ---------------------------------------------------------------------------------------------- collectives

@@ -108,7 +108,9 @@ class ParamGroup(Group):
         # Gradients were returned since the last gather, so an optimizer may have stepped on them: MindSpore keeps
         # no version counter that would show the write, so a kept copy is gathered again (_shards_changed).
         self.returned_grads_since_gather = False
-        self.divide_factor: Optional[float] = None
+        self.divide_factor: Optional[float] = None  # the user's (set_gradient_divide_factor, set_reduce_op_type)
+        # fully_shard's: the call's data-parallel size, the widest of its meshes (plan_mesh_groups)
+        self.default_divide_factor: Optional[float] = None
 
     @property
     def module_name(self) -> str:
@@ -123,7 +125,9 @@ class ParamGroup(Group):
 
     @property
     def divisor(self) -> float:
-        return self.divide_factor if self.divide_factor is not None else float(self.data_parallel_size)
+        if self.divide_factor is not None:
+            return self.divide_factor
+        return self.default_divide_factor or float(self.data_parallel_size)
 
     @property
     def requires_grad(self) -> bool:
@@ -141,6 +145,17 @@ class ParamGroup(Group):
                                          f"unsharded parameter '{param.fqn}' of cell '{self.module_name}'", Kind.WORKING))
             storage[-1].reclaim()
         return Gathered(tuple(s.tensor for s in storage), storage)
+
+    def materialize(self) -> None:
+        """Remake fullshard's own storage after ``cell.to_empty()`` (meta-device init): what ``fully_shard`` made
+        inside ``ms.DeviceCtx("meta")`` is meta too, and ``to_empty`` reaches only the cells' parameters."""
+        for gathered in self.gathered:
+            for owned in gathered.storage:
+                owned.drop()  # meta storage cannot be resized; there is nothing in it to free
+        self.gathered = [self._empty(index) for index in range(len(self.plan.buckets))]
+        self.carried_outputs = None
+        for param in self.params:
+            param.materialize()
 
     def tensors(self) -> tuple[Tensor, ...]:
         """Every member's unsharded tensor, ``in_bucket_order`` (what a node returns for this group)."""

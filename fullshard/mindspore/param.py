@@ -140,6 +140,12 @@ class ShardedParam:
         self.main_grad = collectives.zeros(shape, ms.float32, f"main_grad of '{self.fqn}'", Kind.MAIN_GRAD)
         self.sharded.main_grad = self.main_grad.tensor
 
+    def materialize(self) -> None:
+        """A fresh ``main_grad`` after ``to_empty`` (the one made under ``ms.DeviceCtx("meta")`` is meta)."""
+        if self.main_grad is not None:
+            self.main_grad.drop()
+            self._make_main_grad()
+
     def add_to_main_grad(self, reduced: Tensor) -> None:
         if self._main_grad and self.main_grad is None:  # frozen when fully_shard ran, trained now
             self._make_main_grad()

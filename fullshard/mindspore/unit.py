@@ -31,7 +31,7 @@ from fullshard.core.unit import Root, TrainingPhase, Unit, named_under
 from fullshard.core.trees import map_leaves
 from fullshard.mindspore.autograd import drop_failed_recording, in_pynative_mode, queue_after_backward, recording
 from fullshard.mindspore.group import ParamGroup, UnitGather, carried_by
-from fullshard.mindspore.collectives import FLOAT_DTYPES, world_ranks
+from fullshard.mindspore.collectives import FLOAT_DTYPES, storage_copy_works, world_ranks
 from fullshard.mindspore.policies import MixedPrecisionPolicy
 from fullshard.plan.group import Strategy
 
@@ -124,6 +124,11 @@ class ShardedUnit(Unit):
         unit that reduces at the end of backward (ZeRO-1, ``set_reduce_scatter_unused_params``)."""
         return self.is_root is False and (self.reduces_at_end_of_backward
                                           or any(g.reduce_unused_params for g in self.groups))
+
+    def materialize(self) -> None:
+        """fullshard's storage for this unit, anew (``FSDPModule.to_empty``: meta-device init)."""
+        for group in self.groups:
+            group.materialize()
 
     # ------------------------------------------------------------------ forward
     def _pre_forward(self, cell: nn.Cell, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
@@ -231,6 +236,16 @@ class FSDPModule(FSDPModuleMethods):
         if op not in ("avg", "sum"):
             raise ValueError(f"set_reduce_op_type: {op!r} is not 'avg' or 'sum'")
         self._configure(True, divide_factor=1.0 if op == "sum" else None)
+
+    def to_empty(self, *, device: Optional[str] = None, recurse: bool = True) -> nn.Cell:
+        """``Cell.to_empty`` (storage for the shards, left uninitialized), then fullshard's own buffers for every
+        sharded cell in reach: the meta-device init of a model wrapped inside ``ms.DeviceCtx("meta")``. Fill the
+        shards afterwards (``set_data``, ``load_checkpoint``)."""
+        super().to_empty(device=device, recurse=recurse)
+        storage_copy_works()  # a meta context may have broken MindSpore's storage copy (collectives.refill)
+        for unit in self._units(recurse):
+            unit.materialize()
+        return self
 
     def zero_grad(self) -> None:
         """Zero every ``main_grad`` in reach (MixedPrecisionPolicy(apply_grad_on_fp32_main_grad=True))."""
