@@ -172,8 +172,11 @@ class BucketLayout:
     # A reduction's layout may end each rank's contribution with one count per member (:meth:`with_presence`):
     # where those counts start; None: none.
     presence_offset: Optional[int] = None
+    # After its members' counts, those of these parameters (indices), each a single-member bucket of the group
+    # whose own buffer carries none (:func:`plan_presence`).
+    solos: tuple[int, ...] = ()
 
-    def with_presence(self) -> "BucketLayout":
+    def with_presence(self, solos: tuple[int, ...] = ()) -> "BucketLayout":
         """This bucket for a reduction that also tells every rank which members any rank had a gradient for.
 
         Each rank's contribution ends with one element per member, 1 where this rank holds a gradient and 0
@@ -181,10 +184,14 @@ class BucketLayout:
         the ranks that had one. A member no rank had a gradient for then gets none (a reference would leave it
         without one, and an optimizer skips it), one that some rank had gets the reduced gradient on every rank
         (MoE experts that some ranks skipped). The counts are a few elements per bucket; they travel, and are
-        counted, with it.
+        counted, with it. ``solos``: the counts of single-member buckets travel here too (:func:`plan_presence`).
         """
-        return dataclasses.replace(self, chunk_numel=self.chunk_numel + len(self.members),
-                                   presence_offset=self.chunk_numel)
+        return dataclasses.replace(self, chunk_numel=self.chunk_numel + len(self.members) + len(solos),
+                                   presence_offset=self.chunk_numel, solos=solos)
+
+    @property
+    def presence_numel(self) -> int:  # the counts each rank's contribution carries beyond the gradients
+        return 0 if self.presence_offset is None else len(self.members) + len(self.solos)
 
     @property
     def total_numel(self) -> int:
@@ -268,6 +275,21 @@ def fused_bucket(layouts: Sequence[ShardLayout]) -> BucketLayout:
     if len(buckets) != 1:
         raise ValueError(f"{len(layouts)} parameters make {len(buckets)} buckets, not one")
     return buckets[0]
+
+
+def plan_presence(buckets: Sequence[BucketLayout], trainable: Sequence[bool]
+                  ) -> tuple[list[BucketLayout], Optional[BucketLayout]]:
+    """The reductions' layouts where a rank may lack gradients (every rank reduces every trainable bucket, a
+    zero standing in, so all issue the same collectives), and the counts-only reduction, if any. A fused bucket
+    counts its members. A single one carries no counts, so its gradient can still be the collective's buffer as
+    it is (zero copy, ``plan.ownership.plan_reduce``): those of every trainable one travel in the group's first
+    trainable fused bucket, in the same pass; where it has none, in a reduction of the counts alone (else None).
+    """
+    solos = tuple(b.members[0] for b in buckets if b.is_single and trainable[b.members[0]])
+    carrier = next((i for i, b in enumerate(buckets) if not b.is_single and trainable[b.members[0]]), None)
+    layouts = [b if b.is_single else b.with_presence(solos if i == carrier else ()) for i, b in enumerate(buckets)]
+    counts_only = BucketLayout((), (), 0, buckets[0].world).with_presence(solos) if solos and carrier is None else None
+    return layouts, counts_only
 
 
 # ---------------------------------------------------------------------------------------------- strategies
@@ -382,11 +404,9 @@ class GroupPlan:
         kinds = tuple(("alone", i) if f.travels_alone else (f.stored_dtype, f.compute_dtype, f.requires_grad)
                       for i, f in enumerate(facts))
         self.buckets: list[BucketLayout] = plan_buckets(self.layouts, fuse_below_numel, kinds)
-        # A bucket's reduction also counts which members any rank had a gradient for, where a rank may have none
-        # for some (a lone member is reduced only where it has one).
-        self.reduce_buckets: list[BucketLayout] = [
-            b.with_presence() if runtime.grads_may_be_absent and not b.is_single else b for b in self.buckets
-        ]
+        # Where a rank may lack some gradients, the reductions also count which parameters any rank had one for.
+        self.reduce_buckets, self.counts_only = plan_presence(self.buckets, [f.requires_grad for f in facts]) \
+            if runtime.grads_may_be_absent else (list(self.buckets), None)
         self._check_dtypes_travel()
         self.gather_plans: list[GatherPlan] = [
             plan_gather(b, self.layouts, cast_needed=facts[b.members[0]].converts_for_compute,
@@ -416,6 +436,11 @@ class GroupPlan:
                     f"computing in {fact.compute_dtype}): {error}; or set MixedPrecisionPolicy(param_dtype=..., "
                     "reduce_dtype=...)"
                 ) from None
+
+    @property
+    def presence_numel(self) -> int:  # the counts one rank's chunk of a synced reduction pass carries (traffic)
+        carried = sum(b.presence_numel for b in self.reduce_buckets if self.facts[b.members[0]].requires_grad)
+        return carried + (self.counts_only.presence_numel if self.counts_only is not None else 0)
 
     # ------------------------------------------------------------------ dtypes
     def _promoted_grad_dtype(self) -> Optional[str]:
@@ -464,6 +489,9 @@ class GroupPlan:
         self.labels = [self._label(b.members) for b in self.buckets]
         self.gather_tags = [exchange_tag(label, "all_gather") for label in self.labels]
         self.reduce_tags = [exchange_tag(label, "reduce_scatter") for label in self.labels]
+        if self.counts_only is not None:
+            self.counts_label = f"presence counts of {self._label(self.counts_only.solos)}"
+            self.counts_tag = exchange_tag(self.counts_label, "reduce_scatter")
 
     def _label(self, members: tuple[int, ...]) -> str:
         names = ", ".join(self.params[i].fqn for i in members[:3])

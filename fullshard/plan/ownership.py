@@ -234,6 +234,8 @@ class ReduceFacts:
     offloaded: bool = False  # the shards live in host memory
     exchange: Exchange = Exchange.COLLECTIVE
     divides: bool = True  # the sum is divided (the mean over ranks) before it is handed out
+    # This rank holds every member's gradient; where it lacks one, an owned input holds zeros in its place.
+    grads_present: bool = True
 
 
 def plan_reduce(bucket: BucketLayout, layouts: tuple[ShardLayout, ...], facts: ReduceFacts,
@@ -270,7 +272,7 @@ def plan_reduce(bucket: BucketLayout, layouts: tuple[ShardLayout, ...], facts: R
     prefix = all(layouts[i].gather_is_prefix for i in bucket.members)
     if facts.exchange is Exchange.CUSTOM and not facts.all_reduce:
         return ReducePlan(Ownership.OWNED, Ownership.OWNED, _sharded_grad(keeps_dtype and prefix), input_pooled=True)
-    borrow = bucket.is_single and facts.grad_dtype_is_wire_dtype and facts.grads_contiguous
+    borrow = bucket.is_single and facts.grads_present and facts.grad_dtype_is_wire_dtype and facts.grads_contiguous
     if facts.all_reduce:
         return ReducePlan(_owned_unless(borrow and not runtime.collectives_in_place), Ownership.OWNED,
                           _sharded_grad(keeps_dtype))

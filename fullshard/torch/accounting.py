@@ -49,10 +49,9 @@ def _states(model: nn.Module) -> list:
 
 
 def presence_numel(model: nn.Module) -> int:
-    """The counts of which members a rank had gradients for, in every fused bucket a reduction of ``model``'s
-    units carries beyond the gradients (``plan.group.BucketLayout.with_presence``)."""
-    return sum(len(b.members) for s in _states(model) for g in s.groups for b in g.plan.reduce_buckets
-               if b.presence_offset is not None and g.params[b.members[0]].requires_grad)
+    """The counts of which parameters a rank had gradients for that a reduction of ``model``'s units carries
+    beyond the gradients, per rank's chunk (``plan.group.plan_presence``)."""
+    return sum(g.plan.presence_numel for s in _states(model) for g in s.groups)
 
 
 def memory_report(model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None) -> dict:

@@ -48,14 +48,16 @@ def _rank_chunks(
 
 def pack_rank_chunks(
     flat: torch.Tensor, bucket: BucketLayout, params: Sequence[ShardedParam],
-    fulls: Sequence[Optional[torch.Tensor]], ranks: Optional[range] = None,
+    fulls: Sequence[Optional[torch.Tensor]], ranks: Optional[range] = None, solos_held: Sequence[bool] = (),
 ) -> None:
     """Write each full tensor's chunks for ``ranks`` into a rank-major buffer (padding zeroed; None: zeros), and,
-    for a layout with presence counts, 1 for each member this rank holds a tensor for, else 0."""
+    for a layout with presence counts, 1 for each member this rank holds a tensor for, else 0, then the same for
+    the layout's ``solos`` (``solos_held``)."""
     ranks = ranks if ranks is not None else range(bucket.world)
     rows_of = flat.view(len(ranks), bucket.chunk_numel)
     if bucket.presence_offset is not None:
-        held = torch.tensor([float(full is not None) for full in fulls], dtype=flat.dtype, device=flat.device)
+        flags = [full is not None for full in fulls] + list(solos_held)
+        held = torch.tensor([float(flag) for flag in flags], dtype=flat.dtype, device=flat.device)
         rows_of[:, bucket.presence_offset:] = held
     if bucket.row_blocks and all(full is not None for full in fulls):
         rows = [full.reshape(bucket.world, -1)[ranks.start : ranks.stop] for full in fulls]
@@ -201,6 +203,25 @@ def all_reduce_in_place(buffer: Owned, group: dist.ProcessGroup) -> None:
 
 
 @dataclass
+class SoloCounts:
+    """One reduction pass's presence counts of a group's single-member buckets (``plan.group.plan_presence``):
+    whether this rank holds each one's gradient, and, once the reduction carrying them is complete, how many
+    ranks did (read only where this rank lacks one: on a GPU, a read waits for the device)."""
+
+    params: list  # the single buckets' parameters, in the layout's order of ``solos``
+    held: list[bool]
+    counts: Optional[list[float]] = None
+
+    def any_rank_had(self, param: ShardedParam) -> bool:
+        slot = next(i for i, p in enumerate(self.params) if p is param)
+        if self.held[slot]:
+            return True
+        # The carrying reduction finishes before the single buckets (ParamGroup._start_reduce orders them).
+        assert self.counts is not None, "a single bucket finished before the reduction carrying its counts"
+        return self.counts[slot] > 0
+
+
+@dataclass
 class PendingReduce:
     """An issued gradient reduction; ``finish()`` waits, divides, installs the sharded gradients."""
 
@@ -219,10 +240,13 @@ class PendingReduce:
     # FSDPModule.set_all_reduce_hook: called on the summed output, in place, before the division.
     hook: Optional[Callable[[torch.Tensor], None]] = None
     hook_stream: Any = None  # set_all_reduce_hook(stream=...)
+    # The group's single buckets' counts: carried by this reduction (it fills them in), or read by this single
+    # bucket's.
+    solo_counts: Optional[SoloCounts] = None
 
     def finish(self) -> None:
-        wait(self.work, f"gradient reduction of {self.label} (if ranks use different parameters in a step, e.g. "
-                        "conditional branches or experts, call set_reduce_scatter_unused_params(True) on the module)")
+        wait(self.work, f"gradient reduction of {self.label} (if a module runs on some ranks only in a step, e.g. "
+                        "an expert of its own, call set_reduce_scatter_unused_params(True) on it)")
         collectives.release_all(self.transient)
         if self.combine is not None and not self.combine(self.output):
             self.output = None  # now a partial sum owned by the group
@@ -233,6 +257,7 @@ class PendingReduce:
                 _run_hook(self.hook, out, self.hook_stream)  # it may write: the buffer is fullshard's to lend
             if self.divide_factor != 1:
                 out.div_(self.divide_factor)
+            self._read_solo_counts(out)
             had_grad = self._had_grad(out)
             for index, param in enumerate(self.params):
                 if not param.requires_grad or not had_grad[index]:
@@ -258,10 +283,22 @@ class PendingReduce:
             self.output.reclaim()
         self.output = None
 
+    def _read_solo_counts(self, out: torch.Tensor) -> None:
+        """A reduction carrying the single buckets' counts keeps them for those buckets, where this rank lacks
+        some of their gradients (divided, as the rest: only whether a count is 0 matters)."""
+        counts = self.solo_counts
+        if self.bucket.solos and not all(counts.held):
+            start = self.bucket.presence_offset + len(self.params)
+            counts.counts = out[start:start + len(self.bucket.solos)].tolist()
+
     def _had_grad(self, out: torch.Tensor) -> list[bool]:
         """Per member: whether any rank had a gradient for it. A member this rank had one for, yes; one it had
         none for, what the presence counts say (read only then: on a GPU, a read waits for the device)."""
-        if all(self.held_here) or self.bucket.presence_offset is None:
+        if all(self.held_here):
+            return list(self.held_here)
+        if self.bucket.is_single and self.solo_counts is not None:
+            return [self.solo_counts.any_rank_had(self.params[0])]
+        if self.bucket.presence_offset is None:
             return list(self.held_here)
         counts = out[self.bucket.presence_offset:self.bucket.presence_offset + len(self.params)].tolist()
         return [held or count > 0 for held, count in zip(self.held_here, counts)]
@@ -305,20 +342,20 @@ def reduce_bucket(
     tag: int,
     all_reduce: bool = False,
     comm: Any = None,
+    solo_counts: Optional[SoloCounts] = None,
+    device: Optional[torch.device] = None,
 ) -> PendingReduce:
     """Start the reduce-scatter (sum) of one bucket's unsharded gradients.
 
-    ``grads`` were taken from autograd; on the BORROWED path the lone gradient
-    itself is the collective's input and is only ever read (sent, summed),
-    never freed or written; otherwise an owned input is packed (cast, padded,
-    fused). The input is in ``wire_dtype``, the output in ``reduce_dtype``
-    (they differ only for the pairwise exchange of gradients narrower than
-    the reduce dtype, summed after widening).
-    With ``all_reduce`` (replicated parameters) the packed, owned buffer is
-    all-reduced in place and becomes the output.
+    ``grads`` were taken from autograd; on the BORROWED path the lone gradient itself is the collective's
+    input and is only ever read (sent, summed), never freed or written; otherwise an owned input is packed
+    (cast, padded, fused; zeros for a missing gradient). The input is in ``wire_dtype``, the output in
+    ``reduce_dtype`` (they differ only for the pairwise exchange of gradients narrower than the reduce dtype,
+    summed after widening). With ``all_reduce`` (replicated parameters) the packed, owned buffer is
+    all-reduced in place and becomes the output. ``solo_counts``: the group's single buckets' counts, packed
+    into this bucket (its layout's ``solos``) or read by this single one; ``device``: for no members.
     """
-    device = params[0].device
-    held = [g is not None for g in grads]
+    device, held = params[0].device if params else device, [g is not None for g in grads]
     with torch.no_grad():
         if plan.input is Ownership.BORROWED:
             source: Owned | Borrowed = collectives.borrow(grads[0].view(-1), f"gradient of {label}")
@@ -327,12 +364,14 @@ def reduce_bucket(
             source = (collectives.allocate_pooled(comm, bucket.total_numel, wire_dtype, device, what, grads)
                       if plan.input_pooled else collectives.allocate(bucket.total_numel, wire_dtype, device, what,
                                                                  sources=grads))
-            pack_rank_chunks(source.writable("pack the reduce-scatter input"), bucket, params, grads)
+            pack_rank_chunks(source.writable("pack the reduce-scatter input"), bucket, params, grads,
+                             solos_held=solo_counts.held if bucket.solos else ())
         if all_reduce:
             work = collectives.all_reduce_sum(exchange, source.writable("all-reduce in place"), group)
             if exchange is not Exchange.LOCAL:
                 count("all_reduce", source.nbytes)
-            return PendingReduce(work, [], source, bucket, plan, list(params), held, divide_factor, label)
+            return PendingReduce(work, [], source, bucket, plan, list(params), held, divide_factor, label,
+                                 solo_counts=solo_counts)
         read = (*grads, source.tensor)  # what the reduction reads on this rank
         output = collectives.allocate(bucket.chunk_numel, reduce_dtype, device, f"reduce-scatter output of {label}",
                                   sources=read)
@@ -348,4 +387,4 @@ def reduce_bucket(
         if exchange is not Exchange.LOCAL:
             count("reduce_scatter", source.tensor.numel() * source.tensor.element_size())
     return PendingReduce(work, [source, *scratch], output, bucket, plan, list(params), held, divide_factor,
-                         label)
+                         label, solo_counts=solo_counts)

@@ -22,11 +22,11 @@ import torch
 import torch.distributed as dist
 
 from fullshard.core.group import Group
-from fullshard.plan import Accumulation, ReduceFacts, Unsharded, plan_reduce
+from fullshard.plan import Accumulation, Ownership, ReduceFacts, ReducePlan, ShardedGrad, Unsharded, plan_reduce
 from fullshard.plan.exchange import EXCHANGE_ENV, TORCH, Collectives, Exchange, choose_exchange
 from fullshard.plan.group import DEFAULT_FUSE_BELOW_NUMEL, AfterBackward, GroupPlan
 from fullshard.torch import checks, collectives
-from fullshard.torch.buckets import all_reduce_in_place, gather_bucket, pack_rank_chunks, reduce_bucket
+from fullshard.torch.buckets import SoloCounts, all_reduce_in_place, gather_bucket, pack_rank_chunks, reduce_bucket
 from fullshard.torch.collectives import Kind, Owned
 from fullshard.torch.errors import NotMaterializedError
 from fullshard.torch.extensions import ExtensionState, gather_extended
@@ -369,28 +369,49 @@ class ParamGroup(Group):
         return any(p.has_unreduced_grad() for p in self.params if p.requires_grad)
 
     def _start_reduce(self) -> list:
-        """Start reductions of the pending unsharded gradients; buckets without any are skipped."""
-        pending = []
+        """Start reducing every trainable bucket, on every rank alike, whichever gradients this rank holds (an
+        owned zero stands in for a missing one): the ranks' collectives match by construction, and the presence
+        counts (``plan.group.plan_presence``) leave a parameter no rank had a gradient for without one."""
+        plan = self.plan
         divide = self.divide_factor if self.divide_factor is not None else self.default_divide_factor
-        for index in range(len(self.plan.buckets)):
-            reduction = self._reduce_bucket(index, divide)
-            if reduction is not None:
-                pending.append(reduction)
+        carried = next((b.solos for b in plan.reduce_buckets if b.solos), ())
+        solos = [self.params[i] for i in (plan.counts_only.solos if plan.counts_only is not None else carried)]
+        counts = SoloCounts(solos, [p.has_unreduced_grad() or self.reduce_unused_params for p in solos])
+        pending = [self._reduce_bucket(index, divide, counts) for index in range(len(plan.buckets))]
+        if plan.counts_only is not None:
+            pending.append(self._reduce_counts(counts))
+        pending = [reduction for reduction in pending if reduction is not None]
+        # The reduction carrying the single buckets' counts finishes first (a stable sort): theirs read them.
+        pending.sort(key=lambda reduction: not reduction.bucket.solos)
         self.accumulated_without_sync = False
         return pending
 
-    def _reduce_bucket(self, index: int, divide: float) -> Any:
+    def _reduce_counts(self, counts: SoloCounts) -> Any:
+        """The group has no fused bucket to carry its single buckets' counts: they travel alone (a few elements,
+        summed in the gradients' wire dtype, undivided), over the group's own exchange."""
+        plan, bucket = self.plan, self.plan.counts_only
+        first = bucket.solos[0]
+        wire = getattr(torch, plan.wire_dtype(first, self.replicated, self.accumulated_without_sync))
+        reduction = reduce_bucket(
+            bucket, ReducePlan(Ownership.OWNED, Ownership.OWNED, ShardedGrad.COPY), [], [], wire, wire,
+            self.process_group, 1, plan.counts_label, self.exchange, plan.counts_tag, all_reduce=self.replicated,
+            solo_counts=counts, device=self.params[first].device,
+        )
+        if self.replicate_group is not None:  # HSDP: summed across the replicas, as the gradients are
+            reduction.combine = functools.partial(self._sum_across_replicas, len(plan.buckets))
+        return reduction
+
+    def _reduce_bucket(self, index: int, divide: float, counts: SoloCounts) -> Any:
         plan = self.plan
         members = plan.members(index)
         if not members[0].requires_grad:
             return None
         grads = [p.take_unsharded_grad() for p in members]
         if self.reduce_unused_params:
-            # Every rank reduces every bucket, a zero standing in for a gradient this rank lacks.
+            # FSDP2's set_reduce_scatter_unused_params: a missing gradient is reduced as a zero gradient of the
+            # parameter, and every rank installs the result, even where no rank had one.
             grads = [g if g is not None else torch.zeros(p.layout.shape, dtype=p.compute_dtype, device=p.device)
                      for p, g in zip(members, grads)]
-        if all(g is None for g in grads):
-            return None
         present = [g for g in grads if g is not None]
         bucket = plan.reduce_buckets[index]
         first = bucket.members[0]
@@ -402,11 +423,12 @@ class ParamGroup(Group):
             grads_contiguous=all(is_plain(g) and g.is_contiguous() for g in present),
             reduce_dtype_is_param_dtype=reduce_dtype == members[0].sharded_grad_dtype,
             all_reduce=self.replicated, offloaded=members[0].offloaded, exchange=plan.collectives.reduce,
+            grads_present=len(present) == len(grads),
         ))
         reduction = reduce_bucket(
             bucket, reduction_plan, members, grads, reduce_dtype, wire, self.process_group, divide,
             plan.labels[index], plan.collectives.reduce, plan.reduce_tags[index], all_reduce=self.replicated,
-            comm=self.custom_reduce_scatter,
+            comm=self.custom_reduce_scatter, solo_counts=counts if bucket.solos or bucket.is_single else None,
         )
         reduction.hook, reduction.hook_stream = self.all_reduce_hook, self.all_reduce_hook_stream
         if self.replicate_group is not None:

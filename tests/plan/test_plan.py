@@ -32,7 +32,7 @@ from fullshard.plan.formulas import (
     DTYPE_BYTES, bytes_sent_per_rank, gradient_wire_bytes, peak_state_bytes, per_rank_theory, traffic_bytes_per_step,
 )
 from fullshard.plan.exchange import MAX_PAIRWISE_RANKS, backend_for_device
-from fullshard.plan.group import Strategy
+from fullshard.plan.group import Strategy, plan_presence
 
 shapes = st.lists(st.integers(0, 9), min_size=1, max_size=4).map(tuple)
 
@@ -203,6 +203,42 @@ def test_sharded_grad_is_copied_when_it_must_change_dtype():
     bucket = plan_buckets([layout], 0)[0]
     assert plan_reduce(bucket, (layout,), ReduceFacts(True, True, True)).sharded_grad is ShardedGrad.VIEW_OF_OUTPUT
     assert plan_reduce(bucket, (layout,), ReduceFacts(False, True, False)).sharded_grad is ShardedGrad.COPY
+
+
+def test_reduce_plan_zeros_stand_in_for_a_missing_lone_gradient():
+    """A rank without a lone parameter's gradient still reduces its bucket: from an owned buffer of zeros."""
+    layout = ShardLayout((8, 4), 0, 2)
+    bucket = plan_buckets([layout], 0)[0]
+    assert plan_reduce(bucket, (layout,), ReduceFacts(True, True, True, grads_present=False)).input is Ownership.OWNED
+
+
+def test_presence_of_single_buckets_travels_in_the_first_trainable_fused_bucket():
+    """Every single bucket keeps its layout (its gradient can be the collective's buffer as it is); their counts,
+    one slot each, follow the members' counts of the first fused bucket of trainable parameters."""
+    big, small = ShardLayout((64, 4), 0, 2), ShardLayout((2, 4), 0, 2)
+    layouts = [big, small, small, big, small, small, big]
+    trainable = [True, False, False, True, True, True, False]  # the first fused bucket is frozen; the last big too
+    buckets = plan_buckets(layouts, 100, kinds=trainable)
+    assert [b.members for b in buckets] == [(0,), (3,), (6,), (1, 2), (4, 5)]
+    reduce, counts_only = plan_presence(buckets, trainable)
+    assert counts_only is None
+    assert reduce[:3] == list(buckets[:3])  # single buckets carry no counts: no copy forced
+    carrier = reduce[4]
+    assert carrier.solos == (0, 3) and carrier.presence_offset == buckets[4].chunk_numel
+    assert carrier.chunk_numel == buckets[4].chunk_numel + 2 + 2 and carrier.presence_numel == 4
+    assert reduce[3].solos == () and reduce[3].presence_numel == 2  # a frozen fused bucket carries no solo's
+    single = plan_reduce(reduce[0], tuple(layouts), ReduceFacts(True, True, True))
+    assert single.input is Ownership.BORROWED  # the zero-copy path stays
+
+
+def test_presence_of_single_buckets_travels_alone_without_a_fused_bucket():
+    big = ShardLayout((64, 4), 0, 2)
+    buckets = plan_buckets([big, big, big], 100)
+    reduce, counts_only = plan_presence(buckets, [True, False, True])
+    assert reduce == list(buckets)
+    assert counts_only.members == () and counts_only.solos == (0, 2)
+    assert counts_only.presence_offset == 0 and counts_only.chunk_numel == 2 and counts_only.total_numel == 4
+    assert plan_presence(buckets, [False, False, False]) == (list(buckets), None)
 
 
 def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:

@@ -241,9 +241,9 @@ def bf16_model_sends_bf16_gradients():
     finally:
         dist.isend = original
     num_params = sum(p.numel() for p in model.parameters())
-    # every rank's chunk of a fused bucket ends with its presence counts (one per member), bf16 too
-    presence = world * sum(len(b.members) for m in model.modules() if hasattr(m, "_fullshard_unit")
-                           for b in m._fullshard_unit.group.plan.reduce_buckets if b.presence_offset is not None)
+    # every rank's chunk of a reduction pass carries its presence counts (plan.group.plan_presence), bf16 too
+    presence = world * sum(m._fullshard_unit.group.plan.presence_numel for m in model.modules()
+                           if hasattr(m, "_fullshard_unit"))
     assert sent_dtypes == {torch.bfloat16}, sent_dtypes
     assert traffic_bytes()["reduce_scatter"] == 2 * (num_params + presence), (traffic_bytes(), num_params)
     assert all(p.grad.dtype == torch.float32 for p in model.parameters())

@@ -54,11 +54,9 @@ The cases:
    ``moe_skip_in_unit``: the same but the loop skips an expert without tokens (Mixtral's newer
    loop), so rank 1 has *no* gradient for expert 2; with ``set_reduce_scatter_unused_params(True)``
    on the layer a missing gradient counts as zero and every rank reduces the same buckets.
-   ``moe_skip_in_unit_no_flag``: the same loop without the setting, fused only: the expert shares a
-   bucket with parameters every rank has gradients for, so every rank reduces that bucket; the
-   missing gradient counts as zero there and rank 1 installs the reduced one like the others.
-   (Unfused, the expert's bucket is reduced by the other ranks only, and the reduction times out
-   naming the setting: not run here.)
+   ``moe_skip_in_unit_no_flag``: the same loop without the setting: every rank reduces every bucket of
+   the unit whichever gradients it holds (a zero stands in for the missing one), fused or not, and
+   rank 1 installs the reduced gradient like the others (the presence counts say some rank had one).
    ``moe_expert_units``: each expert its own ``fully_shard`` unit with
    ``set_reduce_scatter_unused_params(True)`` (FSDP2's API for this), the idle expert called with
    an empty batch (autograd runs an expert's backward on an empty batch too, so under ZeRO-3
@@ -66,6 +64,13 @@ The cases:
    gathered by its forward, a collective only the ranks that call it would issue (ZeRO-3), and
    its reduction, whatever the strategy, is a collective too; a rank that never ran the unit has
    nothing telling it to join either.
+   ``moe_solo_in_unit`` and ``moe_solo_expert_unit``: experts of one weight large enough to be reduced alone
+   (a single-member bucket, even fused), the skipping loop, no setting, AdamW with weight decay: expert 2
+   is idle on rank 1 and a spare expert on every rank (no gradient anywhere: it keeps none, and AdamW
+   leaves it alone). Every rank reduces every expert's bucket; the single buckets' presence counts travel
+   in the group's first fused bucket (the router's, in the MoE unit), or, in a unit of experts only, in a
+   small reduction of their own (counted in the plan's reductions). ``solo_gradient_borrowed_when_present``
+   checks that a present lone gradient is still the collective's buffer itself (zero copy).
 ``unused_parameter``: a layer no forward calls sits in a fused bucket with used ones: no rank has a gradient for
    it, and it gets none (the bucket's presence counts say so), where the reference has none either.
 7. ``accumulation``: two micro-batches, ``set_requires_gradient_sync(False)`` on the first: no
@@ -197,6 +202,62 @@ class MoENet(nn.Module):
         return self.head(self.moe(self.embed(tokens), tokens))
 
 
+# Rows of an expert weight whose chunk on 2 ranks is reduced alone (a single-member bucket), fused or not.
+BIG = 2 * group_module.DEFAULT_FUSE_BELOW_NUMEL // WIDTH
+
+
+class BigExpert(nn.Module):
+    """An expert of one weight large enough to be reduced alone."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = nn.Linear(WIDTH, BIG, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.up(x)).view(-1, BIG // WIDTH, WIDTH).mean(1)
+
+
+class BigExperts(nn.Module):
+    """The experts and Mixtral's dispatch loop, which skips an expert without tokens; ``spare``: an expert no
+    token is routed to, on any rank (no gradient anywhere: none, and AdamW's weight decay leaves it alone)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.experts = nn.ModuleList(BigExpert() for _ in range(EXPERTS))
+        self.spare = BigExpert()
+
+    def forward(self, hidden: torch.Tensor, choice: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        out = torch.zeros_like(hidden)
+        mask = F.one_hot(choice, EXPERTS).T  # (experts, tokens)
+        for index, expert in enumerate(self.experts):
+            (rows,) = torch.where(mask[index])
+            if rows.numel() == 0:
+                continue
+            out.index_add_(0, rows, expert(hidden[rows]) * weights[rows])
+        return out
+
+
+class BigMoE(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.router = nn.Linear(WIDTH, EXPERTS)
+        self.experts = BigExperts()
+
+    def forward(self, x: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        hidden = x.reshape(-1, WIDTH)
+        choice = (tokens % EXPERTS).reshape(-1)
+        weights = F.softmax(self.router(hidden), dim=-1).gather(1, choice[:, None])
+        return x + self.experts(hidden, choice, weights).view_as(x)
+
+
+class BigMoENet(MoENet):
+    """MoENet with experts whose weights are each reduced alone: expert 2 idle on rank 1, the spare everywhere."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.moe = BigMoE()
+
+
 # ---------------------------------------------------------------------------------------------- data
 def global_batch(step: int, world: int, rows_per_rank: int = 2, idle_expert: bool = False):
     """Tokens and targets of the global batch: rank ``r``'s slice is rows ``[r * rows_per_rank, ...)``.
@@ -245,6 +306,8 @@ class Case:
     micro_batches: int = 1
     idle_expert: bool = False
     fused_only: bool = False  # unfused, it would be a reduction only some ranks issue (a timeout)
+    # AdamW with weight decay (it would move a parameter given a zero gradient where the reference has none)
+    adamw: bool = False
 
 
 def wrap_blocks_then_root(model: nn.Module, **kwargs) -> None:
@@ -355,6 +418,19 @@ def wrap_expert_units(model, **kwargs):
     fully_shard(model, **kwargs)
 
 
+def wrap_big_moe_unit(model, **kwargs):
+    """The experts' weights share the MoE unit's group with the router's (a fused bucket carries their counts)."""
+    fully_shard(model.moe, **kwargs)
+    fully_shard(model, **kwargs)
+
+
+def wrap_big_experts_unit(model, **kwargs):
+    """The experts' unit holds only weights reduced alone: their counts travel in a reduction of their own."""
+    fully_shard(model.moe.experts, **kwargs)
+    fully_shard(model.moe, **kwargs)
+    fully_shard(model, **kwargs)
+
+
 CASES: dict[str, Case] = {
     "optimizer": Case(wrap=wrap_blocks_then_root, loss=plain_loss),
     "penalty_shard": Case(wrap=wrap_blocks_then_root, loss=shard_penalty_loss),
@@ -370,8 +446,14 @@ CASES: dict[str, Case] = {
                              wrap=functools.partial(wrap_moe_unit, unused_params=True), loss=plain_loss,
                              idle_expert=True),
     "moe_skip_in_unit_no_flag": Case(build=functools.partial(MoENet, skip_idle=True), wrap=wrap_moe_unit,
-                                     loss=plain_loss, idle_expert=True, fused_only=True),
+                                     loss=plain_loss, idle_expert=True),
     "moe_expert_units": Case(build=MoENet, wrap=wrap_expert_units, loss=plain_loss, idle_expert=True),
+    # 6b. Experts reduced alone (single-member buckets), Mixtral's skipping loop, no setting: expert 2 idle on
+    # rank 1, the spare on every rank. Every rank reduces every bucket (zeros where it lacks the gradient).
+    "moe_solo_in_unit": Case(build=BigMoENet, wrap=wrap_big_moe_unit, loss=plain_loss, idle_expert=True,
+                             adamw=True),
+    "moe_solo_expert_unit": Case(build=BigMoENet, wrap=wrap_big_experts_unit, loss=plain_loss, idle_expert=True,
+                                 adamw=True),
     "accumulation": Case(wrap=wrap_blocks_then_root, loss=plain_loss, micro_batches=2),
 }
 
@@ -413,28 +495,29 @@ def assert_fusion(model: nn.Module, fused: bool) -> int:
     return len(buckets)
 
 
-def planned_reductions(model: nn.Module, unused: list, no_grad_anywhere: set) -> tuple[dict[str, int], int, int]:
+def planned_reductions(model: nn.Module, unused: list) -> tuple[dict[str, int], int, int]:
     """Reductions one synced backward issues, by kind, from the plans: each bucket with trainable parameters
-    of every unit the step used, reduce-scattered (all-reduced for no_shard), then all-reduced across HSDP
-    replicas; a bucket whose every member no rank has a gradient for (``no_grad_anywhere``: names) is not.
-    Also those buckets and their trainable parameters, counted."""
-    skipped = {id(unit) for unit in distinct_units(unused)}
+    of every unit the step used (ZeRO-1: of every unit, at the end of backward), whichever gradients a rank
+    holds, and the group's reduction of its single buckets' presence counts where no fused bucket carries
+    them, reduce-scattered (all-reduced for no_shard), then all-reduced across HSDP replicas. Also those
+    buckets and their trainable parameters, counted (not the counts-only reductions)."""
+    skipped = {id(unit) for unit in distinct_units(unused) if not unit.reduces_at_end_of_backward}
     planned = {"reduce_scatter": 0, "all_reduce": 0}
     buckets = params = 0
     for unit in distinct_units(model.modules()):
         if id(unit) in skipped:
             continue
         for group in unit.groups:
-            trainable = [b for b in group.plan.buckets if group.params[b.members[0]].requires_grad
-                         and not all(group.params[i].fqn in no_grad_anywhere for i in b.members)]
+            trainable = [b for b in group.plan.buckets if group.params[b.members[0]].requires_grad]
             buckets += len(trainable)
             params += sum(len(b.members) for b in trainable)
+            reductions = len(trainable) + (group.plan.counts_only is not None)
             if group.replicated:
-                planned["all_reduce"] += len(trainable)
+                planned["all_reduce"] += reductions
             else:
-                planned["reduce_scatter"] += len(trainable)
+                planned["reduce_scatter"] += reductions
                 if group.replicas > 1:
-                    planned["all_reduce"] += len(trainable)
+                    planned["all_reduce"] += reductions
     return planned, buckets, params
 
 
@@ -522,9 +605,10 @@ def run_case(case: Case, strategy: str, fused: bool, mesh_kind: str) -> dict:
         params, ref_params = dict(model.named_parameters()), dict(ref.named_parameters())
         assert params.keys() == ref_params.keys()
         state, ref_state = case.setup(model, params, True), case.setup(ref, ref_params, False)
-        optimizer = torch.optim.SGD([params[n] for n in case.optimized(list(params))], lr=0.1, momentum=0.9)
-        ref_optimizer = torch.optim.SGD([ref_params[n] for n in case.optimized(list(ref_params))], lr=0.1,
-                                        momentum=0.9)
+        make = (functools.partial(torch.optim.AdamW, lr=0.01, weight_decay=0.1) if case.adamw else
+                functools.partial(torch.optim.SGD, lr=0.1, momentum=0.9))
+        optimizer = make([params[n] for n in case.optimized(list(params))])
+        ref_optimizer = make([ref_params[n] for n in case.optimized(list(ref_params))])
         counts = []
         for step in range(STEPS):
             case.before_step(model, params, step)
@@ -544,9 +628,7 @@ def run_case(case: Case, strategy: str, fused: bool, mesh_kind: str) -> dict:
                     if not last:
                         on_every_rank(functools.partial(assert_nothing_reduced, params))
                 issued = reductions_issued()
-            no_grad_anywhere = {name for name, p in ref_params.items() if p.grad is None}
-            planned, reduced_buckets, reduced_params = planned_reductions(model, case.unused(model, step),
-                                                                          no_grad_anywhere)
+            planned, reduced_buckets, reduced_params = planned_reductions(model, case.unused(model, step))
 
             def step_checks():
                 assert issued == planned, f"step {step}: issued {issued}, the plan says {planned}"
@@ -584,6 +666,45 @@ def no_shard_refused_on_hsdp_mesh():
         assert "1-D mesh" in str(error), error
         return True
     raise AssertionError("no_shard on a 2-D mesh was accepted")
+
+
+@scenario(world_sizes=(2,))
+def solo_gradient_borrowed_when_present():
+    """The experts' weights reduced alone: where this rank holds the gradient, the gradient itself is the
+    reduce-scatter's input (borrowed, no copy); where it lacks it (expert 2 on rank 1, the spare everywhere),
+    an owned buffer of zeros is; nothing else is packed for them."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    model = BigMoENet()
+    wrap_big_moe_unit(model, mesh=mesh_of("flat"), strategy="optim_grads")
+    seen = {"borrowed": [], "allocated": []}
+    borrow, allocate = collectives.borrow, collectives.allocate
+
+    def borrow_and_record(tensor, what):
+        seen["borrowed"].append(what)
+        return borrow(tensor, what)
+
+    def allocate_and_record(shape, dtype, device, what, *args, **kwargs):
+        seen["allocated"].append(what)
+        return allocate(shape, dtype, device, what, *args, **kwargs)
+
+    tokens, targets = (t.chunk(world)[rank] for t in global_batch(0, world, idle_expert=True))
+    collectives.borrow, collectives.allocate = borrow_and_record, allocate_and_record
+    try:
+        cross_entropy(model(tokens), targets).backward()
+    finally:
+        collectives.borrow, collectives.allocate = borrow, allocate
+    experts = [f"moe.experts.experts.{i}.up.weight" for i in range(EXPERTS)] + ["moe.experts.spare.up.weight"]
+    lacking = {"moe.experts.spare.up.weight"} | ({experts[IDLE_EXPERT]} if rank == IDLE_RANK else set())
+
+    def check():
+        for name in experts:
+            borrowed = [w for w in seen["borrowed"] if w == f"gradient of [{name}] of module 'moe'"]
+            packed = [w for w in seen["allocated"] if w == f"reduce-scatter input of [{name}] of module 'moe'"]
+            assert (len(borrowed), len(packed)) == ((0, 1) if name in lacking else (1, 0)), (name, seen)
+
+    on_every_rank(check)
+    return {"borrowed": len(seen["borrowed"])}
 
 
 def _matrix(mesh_kind: str) -> dict[str, Callable[[], Any]]:

@@ -86,9 +86,9 @@ def hsdp_traffic_is_the_formula():
         theory = report["theory"]["traffic"]
         assert report["traffic"] == {k: int(v) for k, v in theory.items()}, (replicas, shards, report)
         num_params = sum(p.numel() for p in model.parameters())
-        # fp32 shards, summed across replicas, with each fused bucket's presence counts (one per member)
-        presence = sum(len(b.members) for m in model.modules() if hasattr(m, "_fullshard_unit")
-                       for g in m._fullshard_unit.groups for b in g.plan.reduce_buckets if b.presence_offset is not None)
+        # fp32 shards, summed across replicas, with the reductions' presence counts (plan.group.plan_presence)
+        presence = sum(g.plan.presence_numel for m in model.modules() if hasattr(m, "_fullshard_unit")
+                       for g in m._fullshard_unit.groups)
         assert theory["all_reduce"] == num_params * 4 / shards + presence * 4, theory
         figures[f"{replicas}x{shards}"] = {"measured": report["traffic"], "theory": theory}
     return figures
