@@ -45,7 +45,6 @@ if __name__ == "__main__":
 import json
 import re
 import shutil
-import signal
 import subprocess
 import tempfile
 import time
@@ -503,26 +502,10 @@ def _ms_logs(log_dir: Path, world_size: int, tail: int = 6000) -> str:
     return "\n".join(parts)
 
 
-def _kill_tree(proc: subprocess.Popen) -> None:
-    """msrun, its process group and every process below it (msrun starts each worker with setsid)."""
-    from fullshard.train.procs import descendants
-
-    below = descendants(proc.pid)
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    for pid in below:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    proc.wait()
-
-
 def _run_msrun(plan: dict, env: Mapping[str, str], timeout: float) -> tuple[dict, Optional[str]]:
     """Run ``plan`` on msrun workers. msrun starts ``python`` from PATH, so this interpreter's folder goes
     first on it."""
+    from fullshard.train.msrun import kill_launch
     from fullshard.train.procs import free_port
 
     world_size = plan["world_size"]
@@ -540,11 +523,11 @@ def _run_msrun(plan: dict, env: Mapping[str, str], timeout: float) -> tuple[dict
             try:
                 code = proc.wait(timeout=timeout)
             except subprocess.TimeoutExpired:
-                _kill_tree(proc)
+                kill_launch(proc)
                 error = (f"the launch on {world_size} msrun workers did not finish in {timeout}s\n"
                          f"{_failures(out, world_size)}{_ms_logs(log_dir, world_size)}")
             except BaseException:
-                _kill_tree(proc)
+                kill_launch(proc)
                 raise
         if error is None and code:
             launcher = (Path(out) / "msrun.txt").read_text(errors="replace")[-2000:]

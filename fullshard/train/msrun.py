@@ -80,7 +80,7 @@ def _ranks_by_pid(directory: Path) -> dict[int, int]:
     return ranks
 
 
-def _stop(proc: subprocess.Popen) -> None:
+def kill_launch(proc: subprocess.Popen) -> None:
     """Kill msrun, its scheduler and every worker: the workers run in sessions of their own (msrun
     starts them with setsid), out of reach of msrun's process group, so they are found by parent."""
     below = descendants(proc.pid)
@@ -176,7 +176,7 @@ def _run(command, proc_env, launcher_log: Path, followed: Path, follow, log_dir:
                         follow(line)
                 failure = _FAILED.search(launcher_log.read_text(errors="replace"))
                 if failure is not None:
-                    _stop(proc)
+                    kill_launch(proc)
                     pid, exit_code = int(failure.group(1)), int(failure.group(2))
                     rank = _ranks_by_pid(directory).get(pid)
                     who = f"rank {rank}" if rank is not None else f"a worker (pid {pid}, before it knew its rank)"
@@ -189,10 +189,10 @@ def _run(command, proc_env, launcher_log: Path, followed: Path, follow, log_dir:
                         raise WorkerFailed(f"msrun exited with code {code}:\n{tail}", None, code)
                     return
                 if deadline is not None and time.monotonic() > deadline:
-                    _stop(proc)
+                    kill_launch(proc)
                     raise TimeoutError(f"{nproc} msrun workers did not finish in {timeout:g} s")
                 time.sleep(0.2)
         except BaseException:
             if proc.poll() is None:
-                _stop(proc)
+                kill_launch(proc)
             raise

@@ -437,24 +437,17 @@ def kept_gathered_after_synced_backward():
     return gathers
 
 
-@scenario
-def compiled_model_trains_like_the_reference():
-    """torch.compile over a sharded model (FSDP2's compile tests do this): the modules' forwards are
-    traced, fullshard's hooks run eagerly between the graphs; losses and parameters match."""
-    mesh = mesh_1d()
-    torch.manual_seed(0)
-    reference = Stack()
-    model = copy.deepcopy(reference)
-    for layer in model.layers:
-        fully_shard(layer, mesh=mesh, reshard_after_forward=2)  # as in FSDP2's compile test
-    fully_shard(model, mesh=mesh)
-    compiled = torch.compile(model, backend="aot_eager")  # traced like inductor, without a C++ build
+def _sgd_like_the_reference(model: nn.Module, reference: nn.Module, run=None) -> list:
+    """Three SGD steps of the sharded ``model`` (called through ``run``, e.g. its compiled form) on this rank's
+    part of each batch, and of ``reference`` on the whole batch: the mean loss each step and the final full
+    parameters must match. Returns the reference's losses."""
+    run = run if run is not None else model
     opt, ref_opt = torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.SGD(reference.parameters(), lr=0.1)
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
     losses = []
     for step in range(3):
         x, y = _stack_batch(step, 4)
-        loss = _mse(compiled, (x.chunk(world)[rank], y.chunk(world)[rank]))
+        loss = _mse(run, (x.chunk(world)[rank], y.chunk(world)[rank]))
         loss.backward()
         ref_loss = _mse(reference, (x, y))
         ref_loss.backward()
@@ -467,6 +460,21 @@ def compiled_model_trains_like_the_reference():
     for p, r in zip(model.parameters(), reference.parameters()):
         torch.testing.assert_close(p.full_tensor(), r, rtol=1e-5, atol=1e-6)
     return losses
+
+
+@scenario
+def compiled_model_trains_like_the_reference():
+    """torch.compile over a sharded model (FSDP2's compile tests do this): the modules' forwards are
+    traced, fullshard's hooks run eagerly between the graphs; losses and parameters match."""
+    mesh = mesh_1d()
+    torch.manual_seed(0)
+    reference = Stack()
+    model = copy.deepcopy(reference)
+    for layer in model.layers:
+        fully_shard(layer, mesh=mesh, reshard_after_forward=2)  # as in FSDP2's compile test
+    fully_shard(model, mesh=mesh)
+    compiled = torch.compile(model, backend="aot_eager")  # traced like inductor, without a C++ build
+    return _sgd_like_the_reference(model, reference, run=compiled)
 
 
 @scenario
@@ -484,21 +492,4 @@ def non_contiguous_parameters_train_like_the_reference():
     for layer in model.layers:
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
-    opt, ref_opt = torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.SGD(reference.parameters(), lr=0.1)
-    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
-    losses = []
-    for step in range(3):
-        x, y = _stack_batch(step, 4)
-        loss = _mse(model, (x.chunk(world)[rank], y.chunk(world)[rank]))
-        loss.backward()
-        ref_loss = _mse(reference, (x, y))
-        ref_loss.backward()
-        opt.step(), ref_opt.step()
-        opt.zero_grad(), ref_opt.zero_grad()
-        mean = loss.detach().clone()
-        torch.distributed.all_reduce(mean)
-        torch.testing.assert_close(mean / world, ref_loss.detach(), rtol=1e-5, atol=1e-6)
-        losses.append(float(ref_loss))
-    for p, r in zip(model.parameters(), reference.parameters()):
-        torch.testing.assert_close(p.full_tensor(), r, rtol=1e-5, atol=1e-6)
-    return losses
+    return _sgd_like_the_reference(model, reference)
