@@ -101,6 +101,11 @@ class ParamGroup(Group):
     def _plan(self, module_name: str) -> None:
         """Plan afresh (first, or parameters replaced, custom collectives set): unsharded tensors are rebuilt."""
         for param in self.params:
+            if param.unsharded is not None and param.unsharded.grad is not None:
+                # Planned afresh between micro-batches without sync (a parameter frozen or unfrozen, converted,
+                # replaced): what autograd accumulated on the unsharded tensor, which is rebuilt, is kept in an
+                # owned accumulator and reduced with the next gradients instead of being lost.
+                param.accumulate_grad_in(param.unsharded.grad.dtype, f"gradient accumulator of '{param.fqn}'")
             param.unsharded = param.unsharded_storage = None
         for handle in getattr(self, "_hooks", ()):
             handle.remove()

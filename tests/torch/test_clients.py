@@ -427,3 +427,31 @@ def pipeline_schedule_reduces_after_the_last_micro_batch():
             assert isinstance(param, DTensor), name  # resharded after the reduction
         stage_module.zero_grad(), reference.zero_grad()
     return True
+
+
+@scenario
+def unfreezing_between_micro_batches_keeps_the_accumulated_gradients():
+    """Accumulation without sync, then a parameter unfrozen before the synced micro-batch (fine-tuning that thaws a
+    layer): fullshard plans the group afresh, and the gradients the first micro-batch accumulated must survive
+    it; the reduced gradients and the step match one process doing the same."""
+    torch.manual_seed(0)
+    reference = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 4))
+    reference[2].bias.requires_grad_(False)
+    model = copy.deepcopy(reference)
+    mesh = mesh_1d()
+    fully_shard(model[0], mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    gen = torch.Generator().manual_seed(7)
+    batches = [torch.randn(4 * world, 8, generator=gen) for _ in range(2)]
+    for micro, x in enumerate(batches):
+        last = micro == len(batches) - 1
+        if last:  # thawed before the synced micro-batch, on the model and on the reference alike
+            reference[2].bias.requires_grad_(True)
+            model[2].bias.requires_grad_(True)
+        model.set_requires_gradient_sync(last)
+        model(x.chunk(world)[rank]).pow(2).mean().div(len(batches)).backward()
+        reference(x).pow(2).mean().div(len(batches)).backward()
+    for (name, p), r in zip(model.named_parameters(), reference.parameters()):
+        assert p.grad is not None, f"{name} has no gradient"
+        torch.testing.assert_close(p.grad.full_tensor(), r.grad, rtol=1e-5, atol=1e-6, msg=name)
