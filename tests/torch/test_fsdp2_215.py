@@ -651,3 +651,40 @@ def unused_parameters_with_grad_dtype_none_reduce_without_a_reduce_dtype():
         assert param.grad is not None, name
         torch.testing.assert_close(param.grad.full_tensor().float(), ref.grad, rtol=2e-2, atol=2e-2, msg=name)
     return {name: str(p.grad.dtype) for name, p in model.named_parameters()}
+
+
+@scenario(world_sizes=(4,))
+def manual_finalization_after_hsdp_partial_sums_matches_the_reference():
+    """HSDP (2 replicas x 2 shards), manual finalization, micro-batches whose replica all-reduce is skipped but for
+    the last (torchtitan's pattern): finalize_backward completes the step like one process; without the last
+    all-reduce it is refused with FSDP2's words."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    torch.manual_seed(0)
+    reference = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    model = copy.deepcopy(reference)
+    fully_shard(model[0], mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    model.set_manual_backward_finalization(True)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    gen = torch.Generator().manual_seed(3)
+    for step in range(2):
+        batches = [torch.randn(2 * world, 8, generator=gen) for _ in range(2)]
+        for micro, x in enumerate(batches):
+            model.set_requires_all_reduce(micro == len(batches) - 1)
+            model(x.chunk(world)[rank]).pow(2).mean().div(len(batches)).backward()
+            reference(x).pow(2).mean().div(len(batches)).backward()
+        model.finalize_backward()
+        for p, r in zip(model.parameters(), reference.parameters()):
+            torch.testing.assert_close(p.grad.full_tensor(), r.grad, rtol=1e-5, atol=1e-6)
+        for m in (model, reference):
+            with torch.no_grad():
+                for p in m.parameters():
+                    p -= 0.1 * p.grad
+                    p.grad = None
+    model.set_requires_all_reduce(False)
+    model(torch.randn(2, 8)).sum().backward()
+    with _expect("requires all-reduce|does not support partial gradient reductions"):
+        model.finalize_backward()
+    return True
