@@ -15,7 +15,7 @@ class GPTConfig:
     n_heads: int = 6
     mlp_ratio: int = 4
     tie_embeddings: bool = True
-    n_experts: int = 0  # > 0: every block's MLP is a mixture of this many experts (torch: models/moe.py)
+    n_experts: int = 0  # > 0: every block's MLP is a mixture of this many experts (moe.py, moe_mindspore.py)
     top_k: int = 2  # experts per token
 
 

@@ -20,6 +20,11 @@ from fullshard.models.config import GPTConfig, init_std
 _MASKED = -1e4
 
 
+def layer_norm(width: int) -> nn.LayerNorm:
+    """torch's ``nn.LayerNorm`` (epsilon 1e-5; MindSpore's default is 1e-7): the same function as ``gpt.py``'s."""
+    return nn.LayerNorm((width,), epsilon=1e-5)
+
+
 class CausalSelfAttention(nn.Cell):
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
@@ -44,9 +49,9 @@ class CausalSelfAttention(nn.Cell):
 class Block(nn.Cell):
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
-        self.ln1 = nn.LayerNorm((cfg.d_model,))
+        self.ln1 = layer_norm(cfg.d_model)
         self.attn = CausalSelfAttention(cfg)
-        self.ln2 = nn.LayerNorm((cfg.d_model,))
+        self.ln2 = layer_norm(cfg.d_model)
         hidden = cfg.mlp_ratio * cfg.d_model
         self.mlp = nn.SequentialCell([nn.Dense(cfg.d_model, hidden), nn.GELU(approximate=False),
                                       nn.Dense(hidden, cfg.d_model)])
@@ -55,15 +60,21 @@ class Block(nn.Cell):
         x = x + self.attn(self.ln1(x))
         return x + self.mlp(self.ln2(x))
 
+    def inner_units(self) -> list[nn.Cell]:
+        """The cells wrapped as units of their own inside this block (the MoE block's experts): none."""
+        return []
+
 
 class GPT(nn.Cell):
+    block_class = Block  # the MoE GPT's blocks differ (moe_mindspore.py)
+
     def __init__(self, cfg: GPTConfig, seed: int = 0) -> None:
         super().__init__()
         self.cfg = cfg
         self.wte = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.wpe = nn.Embedding(cfg.seq_len, cfg.d_model)
-        self.layers = nn.CellList([Block(cfg) for _ in range(cfg.n_layers)])
-        self.ln_f = nn.LayerNorm((cfg.d_model,))
+        self.layers = nn.CellList([self.block_class(cfg) for _ in range(cfg.n_layers)])
+        self.ln_f = layer_norm(cfg.d_model)
         if not cfg.tie_embeddings:
             self.lm_head = nn.Dense(cfg.d_model, cfg.vocab_size, has_bias=False)
         self.positions = Tensor(np.arange(cfg.seq_len, dtype=np.int32))
@@ -94,8 +105,15 @@ class GPT(nn.Cell):
 
 
 def count_units(model: GPT) -> dict[str, int]:
-    """Parameters in all, outside the layers (the root unit) and in the largest unit (tied weights once)."""
+    """Parameters in all, outside the layers (the root unit) and in the largest unit (tied weights once); a
+    block's inner units (an MoE block's experts) count apart from the rest of it."""
     from fullshard.train.config import unit_counts
 
-    return unit_counts(sum(p.size for p in model.get_parameters()),
-                       [sum(p.size for p in layer.get_parameters()) for layer in model.layers])
+    def size(cell: nn.Cell) -> int:
+        return sum(p.size for p in cell.get_parameters())
+
+    units = []
+    for layer in model.layers:
+        inner = [size(cell) for cell in layer.inner_units()]
+        units += [*inner, size(layer) - sum(inner)]
+    return unit_counts(size(model), units)
