@@ -52,6 +52,7 @@ class RankResult:
     start_step: int = 0
     units: dict[str, int] = field(default_factory=dict)  # parameter counts (see unit_counts)
     traffic: dict[str, int] = field(default_factory=dict)  # collective bytes of the last step
+    calls: dict[str, int] = field(default_factory=dict)  # and collective calls (where the runtime counts them)
     # The runtime's own figures, where it gives them (MindSpore: memory_report's theory, with the CPU emulation)
     theory: Optional[dict] = None
     # Where the rank ran and the mesh its parameters were really sharded on
@@ -60,6 +61,8 @@ class RankResult:
     launcher_pid: int = 0  # the agent (torchrun, msrun, fullshard train) that started this process
     mesh_shape: list[int] = field(default_factory=list)
     placements: str = ""
+    # An MoE wrapped with its experts as units of their own (MindSpore): how many, and the units in all
+    experts: Optional[dict] = None
 
 
 def learning_rate(cfg: TrainConfig, step: int) -> float:

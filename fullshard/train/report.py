@@ -93,10 +93,11 @@ def write_report(cfg, results: list[dict], out_dir: Path, reference: Optional[di
         "tokens_per_s": results[0]["tokens_per_s"],  # global tokens per second, timed on rank 0
         "ranks": [
             {k: r.get(k) for k in ("rank", "node", "host", "param_bytes", "grad_bytes", "optim_bytes",
-                                   "peak_rss_bytes", "traffic", "mesh_shape", "placements")}
+                                   "peak_rss_bytes", "traffic", "calls", "mesh_shape", "placements")}
             for r in results
         ],
         "theory": theory,
+        "experts": first.get("experts"),
     }
     if reference:
         summary["max_loss_deviation"] = max(abs(a - b) for a, b in zip(losses, summary["reference_loss"]))
@@ -130,6 +131,11 @@ def format_table(summary: dict) -> str:
     if ep > 1:  # the formulas below count every parameter on the dense mesh; the experts gather over efsdp only
         lines.append(f"  experts      split over ep groups of {ep} (all-to-all tokens), sharded over efsdp "
                      f"{summary['world_size'] // ep}; gradients divided by {summary['world_size']} (docs/moe.md)")
+    experts = summary.get("experts")
+    if experts:  # MindSpore: the experts are units of their own on the whole mesh (no all-to-all on its CPU backend)
+        lines.append(f"  experts      {experts['experts']} per block (top-{experts['top_k']}), a unit of their own in "
+                     f"{experts['units']} blocks ({experts['units_in_all']} units in all), sharded over the same "
+                     "mesh as the rest; no token exchange (docs/moe.md)")
     if len(nodes) > 1:
         for node, info in sorted(nodes.items(), key=lambda item: int(item[0])):
             lines.append(f"  node {node}       ranks {', '.join(map(str, info['ranks']))} on {info['host']}")

@@ -2,8 +2,9 @@
 
 The same job as the torch worker (``worker.py``): the same global batches
 (``data.py``), learning-rate schedule and unit counts (``config.py``), the
-GPT written as a MindSpore Cell (``fullshard/models/gpt_mindspore.py``),
-``fullshard.mindspore.fully_shard`` per layer and at the root,
+GPT written as a MindSpore Cell (``fullshard/models/gpt_mindspore.py``; ``--model moe``:
+``moe_mindspore.py``), ``fullshard.mindspore.fully_shard`` per layer (an MoE block's experts first, a unit
+of their own) and at the root,
 ``nn.AdamWeightDecay`` (betas 0.9/0.95, weight decay 0.1, as torch's AdamW),
 clipping to a global norm of 1, and sharded checkpoints
 (``fullshard.mindspore.save_checkpoint``). Each worker writes its result as
@@ -50,8 +51,10 @@ def _setup() -> None:
 
 def build_model(cfg: TrainConfig):
     from fullshard.models.gpt_mindspore import GPT
+    from fullshard.models.moe_mindspore import MoEGPT
 
-    return GPT(MODEL_SIZES[cfg.model], seed=cfg.seed)
+    size = MODEL_SIZES[cfg.model]
+    return (MoEGPT if size.n_experts else GPT)(size, seed=cfg.seed)
 
 
 def make_optimizer(params, cfg: TrainConfig):
@@ -83,6 +86,10 @@ def shard(model, cfg: TrainConfig, mesh=None):
 
     mp = MixedPrecisionPolicy(param_dtype=ms.float16, reduce_dtype=ms.float32) if cfg.mixed_precision == "fp16" else None
     for layer in model.layers:
+        # an MoE block's experts: a unit of their own (mindformers' wrapping), on the same mesh: no expert
+        # parallelism on MindSpore's CPU backend, which has no all-to-all (docs/moe.md)
+        for inner in layer.inner_units():
+            fully_shard(inner, mesh=mesh, mp_policy=mp, strategy=cfg.strategy)
         fully_shard(layer, mesh=mesh, mp_policy=mp, strategy=cfg.strategy)
     return fully_shard(model, mesh=mesh, mp_policy=mp, strategy=cfg.strategy)
 
@@ -97,6 +104,18 @@ def _record_placement(result: RankResult, model, nodes: Nodes) -> None:
     result.mesh_shape = [replica.size, shard.size] if replica is not None else [shard.size]
     result.placements = f"shards over {shard.size} ranks" + (
         f", replicated over {replica.size} (groups {replica.group}, {shard.group})" if replica is not None else "")
+    if model.cfg.n_experts:
+        _record_experts(result, model)
+
+
+def _record_experts(result: RankResult, model) -> None:
+    """The MoE's experts as they were really wrapped: units of their own, and the units of the whole model."""
+    from fullshard.core.unit import distinct_units
+    from fullshard.mindspore import FSDPModule
+
+    expert_units = [cell for layer in model.layers for cell in layer.inner_units() if isinstance(cell, FSDPModule)]
+    result.experts = {"experts": model.cfg.n_experts, "top_k": model.cfg.top_k, "units": len(expert_units),
+                      "units_in_all": len(distinct_units(cell for _, cell in model.cells_and_names()))}
 
 
 def _ids(array: np.ndarray):
@@ -207,7 +226,7 @@ def _train_steps(cfg: TrainConfig, model, optimizer, corpus: ByteCorpus, seq_len
     """Steps ``result.start_step`` to ``cfg.steps``: losses, traffic, gradient bytes and speed into ``result``."""
     import mindspore as ms
 
-    from fullshard.core.buffers import reset_traffic, traffic_bytes
+    from fullshard.core.buffers import collective_calls, reset_traffic, traffic_bytes
     from fullshard.mindspore import clip_grad_norm, save_checkpoint
 
     rank, world, start = result.rank, result.world, result.start_step
@@ -233,7 +252,7 @@ def _train_steps(cfg: TrainConfig, model, optimizer, corpus: ByteCorpus, seq_len
             result.grad_bytes = sum(g.nbytes for g in grads)
         loss_value = _sum_over_ranks(total) / world
         result.losses[step] = loss_value
-        result.traffic = traffic_bytes()
+        result.traffic, result.calls = traffic_bytes(), collective_calls()
         if step > start:  # the first step pays for warm-up
             timed += time.perf_counter() - began
             tokens_done += cfg.batch_size * seq_len

@@ -253,11 +253,12 @@ def test_a_worker_killed_mid_save_leaves_the_previous_checkpoint(tmp_path):
 
 
 def test_mindspore_paths_import_no_torch():
-    """The checkpoint format, the MindSpore job, its GPT, the benchmark and the CLI work without torch."""
+    """The checkpoint format, the MindSpore job, its GPT and MoE, the benchmark and the CLI work without torch."""
     subprocess.run([sys.executable, "-c",
                     "import sys; sys.modules['torch'] = None\n"
                     "import fullshard.mindspore.checkpoint, fullshard.checkpoint.formats.sharded_safetensors, fullshard.train.msrun\n"
                     "import fullshard.train.worker_mindspore, fullshard.train.report, fullshard.models.gpt_mindspore\n"
+                    "import fullshard.models.moe_mindspore\n"
                     "import fullshard.bench, fullshard.bench.mindspore_runner, fullshard.cli\n"
                     "assert sys.modules['torch'] is None"], check=True, cwd=ROOT)
 

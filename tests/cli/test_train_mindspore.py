@@ -15,6 +15,8 @@ import pytest
 
 pytest.importorskip("mindspore")
 
+import numpy as np  # noqa: E402
+
 from fullshard.checkpoint.formats import sharded_safetensors  # noqa: E402
 from fullshard.checkpoint.formats.safetensors_file import TensorFile  # noqa: E402
 
@@ -143,8 +145,90 @@ def test_a_killed_worker_fails_the_job_fast_naming_its_rank(tmp_path):
     (["--hf-config", "llama"], "--hf-config builds a Hugging Face torch model"),
     (["--device", "cuda"], "--device cuda with --framework mindspore"),
     (["--strategy", "zero9"], "unknown --strategy 'zero9'"),
+    (["--model", "moe", "--ep", "2"], "--ep 2 with --framework mindspore: MindSpore 2.10's CPU backend has no "
+                                      "all-to-all"),
 ])
 def test_unsupported_combinations_get_one_line(args, message):
     proc = fullshard("train", "--framework", "mindspore", *args, timeout=60)
     lines = proc.stderr.strip().splitlines()
     assert proc.returncode == 2 and len(lines) == 1 and message in lines[0], proc.stderr
+
+
+# ---------------------------------------------------------------------------------------------- --model moe
+MOE = ["train", "--framework", "mindspore", "--model", "moe", "--batch-size", "4", "--nproc", "2"]
+MOE_STEPS, MOE_EVERY = 3, 2
+
+
+@pytest.fixture(scope="module")
+def moe_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("ms_moe")
+    proc = fullshard(*MOE, "--steps", str(MOE_STEPS), "--verify", "--checkpoint-dir", str(out / "ckpt"),
+                     "--checkpoint-every", str(MOE_EVERY), "--out", str(out / "report"))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return out, proc, json.loads((out / "report" / "report.json").read_text())
+
+
+def test_moe_experts_are_units_of_their_own_and_training_matches_one_process(moe_run):
+    """--model moe on 2 msrun workers: every block's experts are a unit of their own (mindformers' wrapping) on the
+    same 2-rank mesh as the rest, and the losses match one process step by step."""
+    from fullshard.models.config import MODEL_SIZES
+
+    _, proc, report = moe_run
+    cfg = MODEL_SIZES["moe"]
+    assert report["max_loss_deviation"] < 1e-4 and "verify passed" in proc.stdout
+    assert report["steps"] == list(range(MOE_STEPS)) and report["train_loss"][-1] < report["train_loss"][0]
+    units = 2 * cfg.n_layers + 1  # per block its experts and the rest of it, and the root
+    assert report["experts"] == {"experts": cfg.n_experts, "top_k": cfg.top_k, "units": cfg.n_layers,
+                                 "units_in_all": units}
+    assert f"a unit of their own in {cfg.n_layers} blocks ({units} units in all)" in proc.stdout
+    # ZeRO-3, every unit's parameters in one fused gather: each unit gathers for forward and all but the root again
+    # for backward; each reduces once (an all-reduce on CPU), and clipping sums one norm
+    assert report["ranks"][0]["calls"] == {"all_gather": 2 * units - 1, "reduce_scatter": 0, "all_reduce": units + 1}
+    theory = report["theory"]
+    assert report["ranks"][0]["traffic"]["all_gather"] == theory["carried"]["all_gather"]
+    formula = theory["memory"]["params"] + theory["memory"]["grads"] + theory["memory"]["optim"]
+    for rank in report["ranks"]:  # every dim 0 (4 experts included) is even: each rank holds exactly half
+        assert rank["param_bytes"] + rank["grad_bytes"] + rank["optim_bytes"] == formula, rank
+
+
+def test_moe_resumes_bit_for_bit_and_exports(moe_run, tmp_path):
+    out, _, full = moe_run
+    shutil.copytree(out / "ckpt" / f"step_{MOE_EVERY}", tmp_path / "ckpt" / f"step_{MOE_EVERY}")
+    proc = fullshard(*MOE, "--steps", str(MOE_STEPS), "--resume", "--checkpoint-dir", str(tmp_path / "ckpt"),
+                     "--out", str(tmp_path / "report"))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    resumed = json.loads((tmp_path / "report" / "report.json").read_text())
+    assert resumed["steps"] == list(range(MOE_EVERY, MOE_STEPS))
+    assert resumed["train_loss"] == full["train_loss"][MOE_EVERY:]
+    proc = fullshard("export", str(out / "ckpt" / f"step_{MOE_EVERY}"), str(tmp_path / "moe.safetensors"), timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    exported = TensorFile(tmp_path / "moe.safetensors")
+    assert exported.shape("layers.1.moe.experts.w_in") == (4, 64, 128)
+    assert exported.shape("layers.1.moe.experts.w_out") == (4, 128, 64)
+
+
+def test_moe_is_the_torch_moe():
+    """``--model moe`` is one model on both frameworks: the same parameters (MindSpore's names for them), and with
+    the MindSpore Cell's weights the torch module computes the same logits."""
+    torch = pytest.importorskip("torch")
+    import mindspore as ms
+
+    from fullshard.models.config import MODEL_SIZES
+    from fullshard.models.moe import MoEGPT as TorchMoEGPT
+    from fullshard.models.moe_mindspore import MoEGPT
+
+    ms.set_context(mode=ms.PYNATIVE_MODE)
+    ms.set_device("CPU")
+    cell, module = MoEGPT(MODEL_SIZES["moe"], seed=1), TorchMoEGPT(MODEL_SIZES["moe"])
+    torch_names = {"embedding_table": "weight", "gamma": "weight", "beta": "bias"}
+    weights = {}
+    for name, param in cell.parameters_and_names():
+        head, _, leaf = name.rpartition(".")
+        weights[f"{head}.{torch_names.get(leaf, leaf)}"] = torch.from_numpy(param.asnumpy())
+    assert set(weights) == {name for name, _ in module.named_parameters()}
+    module.load_state_dict({**weights, "lm_head.weight": weights["wte.weight"]})
+    tokens = np.random.default_rng(0).integers(0, 256, (2, MODEL_SIZES["moe"].seq_len))
+    with torch.no_grad():
+        want = module(torch.from_numpy(tokens)).numpy()
+    got = cell(ms.Tensor(tokens.astype(np.int32))).asnumpy()
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-5)
