@@ -60,6 +60,10 @@ class RankResult:
     launcher_pid: int = 0  # the agent (torchrun, msrun, fullshard train) that started this process
     mesh_shape: list[int] = field(default_factory=list)
     placements: str = ""
+    # Per mesh the parameters shard over (a runtime that records them): its roles ("dense", "experts"), shard
+    # ranks and replicas, the bytes held (param/grad/optim_bytes) and the last step's traffic on it
+    meshes: list[dict] = field(default_factory=list)
+    token_bytes: int = 0  # expert parallelism's all-to-all payload in the last step (plan.meshes)
 
 
 def learning_rate(cfg: TrainConfig, step: int) -> float:
