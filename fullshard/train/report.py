@@ -160,7 +160,7 @@ def format_table(summary: dict) -> str:
     if summary.get("mesh"):
         lines.append(f"  mesh         {summary['mesh']['chosen']}")
     ep = summary["config"].get("ep", 1)
-    if ep > 1:  # the formulas below count every parameter on the dense mesh; the experts gather over efsdp only
+    if ep > 1:  # the rows per mesh below count the experts over efsdp, the dense weights over every rank
         lines.append(f"  experts      split over ep groups of {ep} (all-to-all tokens), sharded over efsdp "
                      f"{summary['world_size'] // ep}; gradients divided by {summary['world_size']} (docs/moe.md)")
     if len(nodes) > 1:
