@@ -107,7 +107,7 @@ def _count_model(args) -> dict[str, int]:
             total = sum(p.numel() for p in model.parameters())
             largest = max((sum(p.numel() for p in c.parameters()) for c in model.children()), default=total)
             return {"num_params": total, "largest_unit": largest, "root_params": 0}
-        return count_units(model)
+        return count_units(model, args.ep)
     if args.hf_config:
         _require_transformers()
     elif not args.model:
