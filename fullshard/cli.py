@@ -85,6 +85,11 @@ def _parser() -> argparse.ArgumentParser:
     export.add_argument("--without-manifest", action="store_true", help="torch: also export a stock DCP/FSDP2 "
                         "checkpoint, which has no fullshard manifest (every check runs but the digests)")
 
+    _estimate_parser(sub)
+    return parser
+
+
+def _estimate_parser(sub) -> None:
     estimate = sub.add_parser("estimate", help="memory and traffic per rank, from the planning code")
     estimate.add_argument("--params", type=float, help="number of parameters, e.g. 7e9")
     estimate.add_argument("--model", help="count the parameters of a fullshard GPT size instead")
@@ -98,7 +103,6 @@ def _parser() -> argparse.ArgumentParser:
     estimate.add_argument("--largest-unit", type=float, help="parameters of the largest wrapped unit")
     estimate.add_argument("--ep", type=int, default=1, help="--model moe: experts split over N ranks, sharded "
                           "over nproc/N (each mesh counted on its own)")
-    return parser
 
 
 def _check_common(args, precisions: tuple[str, ...] = ("fp32", "bf16")) -> None:
