@@ -85,6 +85,11 @@ def _parser() -> argparse.ArgumentParser:
     export.add_argument("--without-manifest", action="store_true", help="torch: also export a stock DCP/FSDP2 "
                         "checkpoint, which has no fullshard manifest (every check runs but the digests)")
 
+    _estimate_parser(sub)
+    return parser
+
+
+def _estimate_parser(sub) -> None:
     estimate = sub.add_parser("estimate", help="memory and traffic per rank, from the planning code")
     estimate.add_argument("--params", type=float, help="number of parameters, e.g. 7e9")
     estimate.add_argument("--model", help="count the parameters of a fullshard GPT size instead")
@@ -96,7 +101,8 @@ def _parser() -> argparse.ArgumentParser:
     estimate.add_argument("--optimizer", default="adamw", help="adamw | sgd")
     estimate.add_argument("--device", default="cpu", help="cpu (gloo) | cuda (NCCL): how gradients travel")
     estimate.add_argument("--largest-unit", type=float, help="parameters of the largest wrapped unit")
-    return parser
+    estimate.add_argument("--ep", type=int, default=1, help="--model moe: experts split over N ranks, sharded "
+                          "over nproc/N (each mesh counted on its own)")
 
 
 def _check_common(args, precisions: tuple[str, ...] = ("fp32", "bf16")) -> None:
@@ -292,44 +298,6 @@ def train(args) -> int:
     return 0
 
 
-def estimate(args) -> int:
-    from fullshard.plan.formulas import gradient_wire_bytes
-    from fullshard.plan.exchange import DEFAULT_BACKENDS, EXCHANGE_ENV
-    from fullshard.plan.formulas import per_rank_theory
-
-    _check_common(args)
-    if args.device not in ("cpu", "cuda"):
-        raise UsageError(f"unknown --device {args.device!r}; choose cpu or cuda")
-    if args.optimizer not in ("adamw", "sgd"):
-        raise UsageError(f"unknown --optimizer {args.optimizer!r}; choose adamw or sgd")
-    if args.params:
-        num_params, root = int(args.params), 0
-        largest = int(args.largest_unit) if args.largest_unit else max(1, num_params // 32)
-    else:
-        units = _count_model(args)
-        num_params, largest, root = units["num_params"], units["largest_unit"], units["root_params"]
-    strategy = Strategy.parse(args.strategy)
-    compute = 2 if args.mixed_precision == "bf16" else 4
-    optim = 8 if args.optimizer == "adamw" else 0
-    grads = "bfloat16" if args.mixed_precision == "bf16" else "float32"
-    reduce = gradient_wire_bytes(
-        strategy is Strategy.NO_SHARD, DEFAULT_BACKENDS[args.device], args.device, args.nproc, grads, "float32",
-        os.environ.get(EXCHANGE_ENV),
-    )
-    theory = per_rank_theory(strategy, args.nproc, num_params, largest, root, optim_bytes=optim,
-                             compute_bytes=compute, reduce_bytes=reduce)
-    memory, traffic = theory["memory"], theory["traffic"]
-    print(f"{num_params / 1e9:.3f}B parameters, {args.nproc} ranks, {strategy.value}, {args.mixed_precision}, {args.optimizer}")
-    print("per rank:")
-    for key in ("params", "grads", "optim", "unsharded", "total"):
-        print(f"  {key:<16}{format_bytes(memory[key])}")
-    print("bytes moved per step per rank:")
-    for key, value in traffic.items():
-        if value:
-            print(f"  {key:<16}{format_bytes(value)}")
-    return 0
-
-
 def export(args) -> int:
     """One process, no process group: check the whole checkpoint, read the shards, write the full state dict.
 
@@ -412,39 +380,10 @@ def _require_transformers() -> None:
         raise UsageError("--hf-config needs the transformers package: pip install transformers") from None
 
 
-def _count_model(args) -> dict[str, int]:
-    """Parameter counts of the model named by --model, --hf-config or --model-class, built on meta."""
-    import importlib
+def _estimate(args) -> int:
+    from fullshard.estimate import estimate
 
-    import torch
-
-    from fullshard.models.config import MODEL_SIZES
-    from fullshard.train.models import ModelSpec, count_units
-
-    if args.model_class:
-        module_name, _, class_name = args.model_class.partition(":")
-        try:
-            cls = getattr(importlib.import_module(module_name), class_name)
-        except (ImportError, AttributeError, ValueError) as error:
-            raise UsageError(f"--model-class {args.model_class!r}: {error}") from None
-        try:
-            with torch.device("meta"):
-                model = cls()
-        except TypeError as error:
-            raise UsageError(f"--model-class {args.model_class!r} must build with no arguments: {error}") from None
-        if not hasattr(model, "layers"):
-            total = sum(p.numel() for p in model.parameters())
-            largest = max((sum(p.numel() for p in c.parameters()) for c in model.children()), default=total)
-            return {"num_params": total, "largest_unit": largest, "root_params": 0}
-        return count_units(model)
-    if args.hf_config:
-        _require_transformers()
-    elif not args.model:
-        raise UsageError("give --params N, --model NAME, --hf-config CONFIG or --model-class module:Class")
-    elif args.model not in MODEL_SIZES:
-        raise UsageError(f"unknown --model {args.model!r}; choose one of {', '.join(MODEL_SIZES)}")
-    with torch.device("meta"):
-        return count_units(ModelSpec(args.model or "small", args.hf_config).build(seed=0))
+    return estimate(args)
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -455,7 +394,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         return bench_main(argv[1:])
     args = _parser().parse_args(argv)
     try:
-        code = {"train": train, "estimate": estimate, "export": export}[args.command](args)
+        code = {"train": train, "estimate": _estimate, "export": export}[args.command](args)
     except UsageError as error:
         print(f"fullshard {args.command}: error: {error}", file=sys.stderr)
         code = 2

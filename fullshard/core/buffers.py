@@ -382,12 +382,16 @@ KINDS = ("all_gather", "reduce_scatter", "all_reduce")
 traffic: Counter = Counter()  # bytes
 calls: Counter = Counter()
 seconds: Counter = Counter()
+by_mesh: dict[str, Counter] = {}  # bytes per mesh a runtime names (its group's key), by kind
 
 
-def count(kind: str, nbytes: int) -> None:
-    """One collective of ``kind`` carried ``nbytes``."""
+def count(kind: str, nbytes: int, mesh: Optional[str] = None) -> None:
+    """One collective of ``kind`` carried ``nbytes``, for the parameters of ``mesh`` (a group's key, where the
+    runtime gives one: a model on several meshes is reported per mesh)."""
     traffic[kind] += nbytes
     calls[kind] += 1
+    if mesh is not None:
+        by_mesh.setdefault(mesh, Counter())[kind] += nbytes
 
 
 @contextlib.contextmanager
@@ -405,10 +409,16 @@ def reset_traffic() -> None:
     traffic.clear()
     calls.clear()
     seconds.clear()
+    by_mesh.clear()
 
 
 def traffic_bytes() -> dict[str, int]:
     return {kind: traffic.get(kind, 0) for kind in KINDS}
+
+
+def traffic_by_mesh() -> dict[str, dict[str, int]]:
+    """The bytes of :func:`traffic_bytes` that collectives counted for a mesh, per mesh key."""
+    return {mesh: {kind: kinds.get(kind, 0) for kind in KINDS} for mesh, kinds in by_mesh.items()}
 
 
 def collective_calls() -> dict[str, int]:

@@ -43,27 +43,42 @@ class GroupedExperts(nn.Module):
 
 
 class TokenExchange:
-    """One ``ep`` group's token exchange: tokens sorted by expert go to the rank holding it, and come back."""
+    """One ``ep`` group's token exchange: tokens sorted by expert go to the rank holding it, and come back.
+
+    ``bytes`` counts what the exchange's all-to-alls carried since it was zeroed, each by its buffer of this
+    rank's own tokens (what it dispatches and gets back, and in backward their gradients) plus the routing
+    counts: ``plan.meshes.token_exchange_bytes`` states it."""
 
     def __init__(self, group: dist.ProcessGroup, n_experts: int) -> None:
         self.group, self.size = group, dist.get_world_size(group)
         self.per_rank = n_experts // self.size
+        self.bytes = 0
+
+    def _count(self, tensor: torch.Tensor) -> None:
+        """Count ``tensor``'s all-to-all, and the one its gradient takes back in backward."""
+        self.bytes += tensor.numel() * tensor.element_size()
+        if tensor.requires_grad:
+            tensor.register_hook(lambda grad: self._count(grad))
 
     def __call__(self, experts: nn.Module, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         from torch.distributed.nn.functional import all_to_all_single  # the autograd-aware one
 
         received = torch.empty_like(counts)  # [source rank, local expert]: tokens this rank receives
         dist.all_to_all_single(received, counts, group=self.group)
+        self._count(counts)
         by_source = received.view(self.size, self.per_rank)
         send = counts.view(self.size, self.per_rank).sum(1).tolist()
         recv = by_source.sum(1).tolist()
         tokens = all_to_all_single(x.new_empty(sum(recv), x.shape[1]), x, recv, send, group=self.group)
+        self._count(x)
         # they arrive by source rank, each sorted by local expert: regroup by expert, and back after
         cell = torch.repeat_interleave(torch.arange(by_source.numel(), device=x.device), by_source.flatten())
         order = torch.argsort((cell % self.per_rank) * by_source.numel() + cell, stable=True)
         out = experts(tokens[order], by_source.sum(0).tolist())
         back = torch.empty_like(out).index_copy(0, order, out)
-        return all_to_all_single(x.new_empty(sum(send), x.shape[1]), back, send, recv, group=self.group)
+        mine = all_to_all_single(x.new_empty(sum(send), x.shape[1]), back, send, recv, group=self.group)
+        self._count(mine)
+        return mine
 
 
 class MoE(nn.Module):

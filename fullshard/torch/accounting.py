@@ -20,7 +20,7 @@ from torch.distributed.tensor import DTensor
 
 from fullshard.core.unit import distinct_units
 from fullshard.plan.formulas import report_theory
-from fullshard.core.buffers import reset_traffic, traffic_bytes
+from fullshard.core.buffers import reset_traffic, traffic_bytes, traffic_by_mesh
 from fullshard.torch.collectives import comm_bytes
 
 
@@ -52,6 +52,17 @@ def presence_numel(model: nn.Module) -> int:
     """The counts of which parameters a rank had gradients for that a reduction of ``model``'s units carries
     beyond the gradients, per rank's chunk (``plan.group.plan_presence``)."""
     return sum(g.plan.presence_numel for s in _states(model) for g in s.groups)
+
+
+def mesh_params(model: nn.Module) -> dict[str, dict]:
+    """The meshes ``model``'s groups shard over, by the key their collectives are counted under
+    (:func:`traffic_by_mesh`): each one's shard ranks, replicas and sharded parameters (the modules' own)."""
+    meshes: dict[str, dict] = {}
+    for state in _states(model):
+        for group in state.groups:
+            mesh = meshes.setdefault(group.mesh_key, {"shards": group.world, "replicas": group.replicas, "params": []})
+            mesh["params"] += [p.sharded for p in group.params]
+    return meshes
 
 
 def memory_report(model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None) -> dict:
@@ -107,4 +118,4 @@ def memory_report(model: nn.Module, optimizer: Optional[torch.optim.Optimizer] =
     return report
 
 
-__all__ = ["memory_report", "reset_traffic", "traffic_bytes"]
+__all__ = ["memory_report", "mesh_params", "reset_traffic", "traffic_by_mesh", "traffic_bytes"]

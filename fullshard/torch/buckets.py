@@ -158,12 +158,13 @@ def gather_bucket(
     tag: int,
     kept: Optional[Owned] = None,
     comm: Any = None,
+    mesh: Optional[str] = None,
 ) -> PendingGather:
     """Start the all-gather of one bucket into ``output`` (owned, already sized).
 
     ``kept``: the chunks this rank kept after a partial reshard (``reshard_after_forward=k``);
     gathered over the smaller ``group`` instead of packing the shards. ``comm``: the user's
-    collective (``Exchange.CUSTOM``).
+    collective (``Exchange.CUSTOM``). ``mesh``: the group's key in the traffic meter.
     """
     dtype = params[0].compute_dtype
     with torch.no_grad():
@@ -190,15 +191,15 @@ def gather_bucket(
             _pack_local_chunks(source, bucket, params)
         work = collectives.all_gather(exchange, out, source, group, tag, input_in_place=in_place, comm=comm)
         if exchange is not Exchange.LOCAL:
-            count("all_gather", out.numel() * out.element_size())
+            count("all_gather", out.numel() * out.element_size(), mesh)
     copy_out = output if plan.unsharded is Unsharded.OWN_STORAGE else None
     return PendingGather(work, version_guard, transient, copy_out, bucket, list(params), label)
 
 
-def all_reduce_in_place(buffer: Owned, group: dist.ProcessGroup) -> None:
-    """Sum an owned buffer across ``group`` (HSDP's replica all-reduce), waiting for it."""
+def all_reduce_in_place(buffer: Owned, group: dist.ProcessGroup, mesh: Optional[str] = None) -> None:
+    """Sum an owned buffer across ``group`` (HSDP's replica all-reduce), waiting for it; counted for ``mesh``."""
     work = dist.all_reduce(buffer.writable("all-reduce in place"), op=dist.ReduceOp.SUM, group=group, async_op=True)
-    count("all_reduce", buffer.nbytes)
+    count("all_reduce", buffer.nbytes, mesh)
     wait(work, f"replica all-reduce of {buffer.what}")
 
 
@@ -343,7 +344,7 @@ def reduce_bucket(
     all_reduce: bool = False,
     comm: Any = None,
     solo_counts: Optional[SoloCounts] = None,
-    device: Optional[torch.device] = None,
+    device: Optional[torch.device] = None, mesh: Optional[str] = None,  # for no members; the meter's key
 ) -> PendingReduce:
     """Start the reduce-scatter (sum) of one bucket's unsharded gradients.
 
@@ -353,7 +354,7 @@ def reduce_bucket(
     ``reduce_dtype`` (they differ only for the pairwise exchange of gradients narrower than the reduce dtype,
     summed after widening). With ``all_reduce`` (replicated parameters) the packed, owned buffer is
     all-reduced in place and becomes the output. ``solo_counts``: the group's single buckets' counts, packed
-    into this bucket (its layout's ``solos``) or read by this single one; ``device``: for no members.
+    into this bucket (its layout's ``solos``) or read by this single one.
     """
     device, held = params[0].device if params else device, [g is not None for g in grads]
     with torch.no_grad():
@@ -369,7 +370,7 @@ def reduce_bucket(
         if all_reduce:
             work = collectives.all_reduce_sum(exchange, source.writable("all-reduce in place"), group)
             if exchange is not Exchange.LOCAL:
-                count("all_reduce", source.nbytes)
+                count("all_reduce", source.nbytes, mesh)
             return PendingReduce(work, [], source, bucket, plan, list(params), held, divide_factor, label,
                                  solo_counts=solo_counts)
         read = (*grads, source.tensor)  # what the reduction reads on this rank
@@ -385,6 +386,6 @@ def reduce_bucket(
             [buffer.writable("receive a peer's gradient chunk") for buffer in scratch], comm=comm,
         )
         if exchange is not Exchange.LOCAL:
-            count("reduce_scatter", source.tensor.numel() * source.tensor.element_size())
+            count("reduce_scatter", source.tensor.numel() * source.tensor.element_size(), mesh)
     return PendingReduce(work, [source, *scratch], output, bucket, plan, list(params), held, divide_factor,
                          label, solo_counts=solo_counts)

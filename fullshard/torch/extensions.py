@@ -109,9 +109,9 @@ def _check_padded(param: ShardedParam, inputs: tuple, group: dist.ProcessGroup) 
 
 def gather_extended(
     param: ShardedParam, state: ExtensionState, group: dist.ProcessGroup, shard_mesh, module: torch.nn.Module,
-    mp_policy: Any, exchange: Exchange, label: str,
+    mp_policy: Any, exchange: Exchange, label: str, mesh: Optional[str] = None,
 ) -> PendingExtensionGather:
-    """Start the all-gathers of what ``param``'s pre hook returns."""
+    """Start the all-gathers of what ``param``'s pre hook returns (counted for ``mesh``)."""
     local = param.sharded._local_tensor
     if param.offloaded:
         local = local.to(param.device)
@@ -139,5 +139,5 @@ def gather_extended(
             tag = exchange_tag(f"{label}#{index}", "all_gather")
             works.append(collectives.all_gather(exchange, out, borrowed[-1].tensor, group, tag))
             if exchange is not Exchange.LOCAL:
-                count("all_gather", out.numel() * out.element_size())
+                count("all_gather", out.numel() * out.element_size(), mesh)
     return PendingExtensionGather(works, param, state, metadata, [t.shape for t in inputs], borrowed, label)

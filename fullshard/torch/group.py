@@ -52,6 +52,9 @@ class ParamGroup(Group):
         self.params = params
         self.process_group = process_group
         self.world = dist.get_world_size(process_group)
+        # The traffic meter's key for this group's collectives: the mesh it shards (and replicates) over, so a
+        # model on several meshes is measured per mesh (accounting.mesh_params names each mesh's parameters).
+        self.mesh_key = "/".join(g.group_name for g in (process_group, replicate_group) if g is not None)
         # Replicated parameters (no_shard): nothing to gather, gradients all-reduced.
         self.replicated = all_reduce
         self._reduce_dtype = reduce_dtype
@@ -184,16 +187,17 @@ class ParamGroup(Group):
                 state = self._extensions.setdefault(index, ExtensionState())
                 self._pending_gathers.append(gather_extended(
                     members[0], state, self.process_group, self.shard_mesh, members[0].owners[0][0], self.mp_policy,
-                    self.exchange, plan.labels[index],
+                    self.exchange, plan.labels[index], self.mesh_key,
                 ))
                 continue
             output = self._gather_output(index, members)
             if chunks:
                 pending = gather_bucket(bucket, gather, members, output, self.post_forward_group, plan.labels[index],
-                                        self.exchange, plan.gather_tags[index], kept=chunks[index])
+                                        self.exchange, plan.gather_tags[index], kept=chunks[index], mesh=self.mesh_key)
             else:
                 pending = gather_bucket(bucket, gather, members, output, self.process_group, plan.labels[index],
-                                        plan.collectives.gather, plan.gather_tags[index], comm=self.custom_all_gather)
+                                        plan.collectives.gather, plan.gather_tags[index], comm=self.custom_all_gather,
+                                        mesh=self.mesh_key)
             self._pending_gathers.append(pending)
 
     def _unshard_replicated(self) -> None:
@@ -400,7 +404,7 @@ class ParamGroup(Group):
         reduction = reduce_bucket(
             bucket, ReducePlan(Ownership.OWNED, Ownership.OWNED, ShardedGrad.COPY), [], [], wire, wire,
             self.process_group, 1, plan.counts_label, self.exchange, plan.counts_tag, all_reduce=self.replicated,
-            solo_counts=counts, device=self.params[first].device,
+            solo_counts=counts, device=self.params[first].device, mesh=self.mesh_key,
         )
         if self.replicate_group is not None:  # HSDP: summed across the replicas, as the gradients are
             reduction.combine = functools.partial(self._sum_across_replicas, len(plan.buckets))
@@ -434,6 +438,7 @@ class ParamGroup(Group):
             bucket, reduction_plan, members, grads, reduce_dtype, wire, self.process_group, divide,
             plan.labels[index], plan.collectives.reduce, plan.reduce_tags[index], all_reduce=self.replicated,
             comm=self.custom_reduce_scatter, solo_counts=counts if bucket.solos or bucket.is_single else None,
+            mesh=self.mesh_key,
         )
         reduction.hook, reduction.hook_stream = self.all_reduce_hook, self.all_reduce_hook_stream
         if self.replicate_group is not None:
@@ -452,7 +457,7 @@ class ParamGroup(Group):
             self._partials[index] = output
             return False
         if self.replicas > 1:
-            all_reduce_in_place(output, self.replicate_group)
+            all_reduce_in_place(output, self.replicate_group, self.mesh_key)
         return True
 
     def _abandon_grads(self) -> None:

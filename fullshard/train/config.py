@@ -63,6 +63,10 @@ class RankResult:
     placements: str = ""
     # An MoE wrapped with its experts as units of their own (MindSpore): how many, and the units in all
     experts: Optional[dict] = None
+    # Per mesh the parameters shard over (a runtime that records them): its roles ("dense", "experts"), shard
+    # ranks and replicas, the bytes held (param/grad/optim_bytes) and the last step's traffic on it
+    meshes: list[dict] = field(default_factory=list)
+    token_bytes: int = 0  # expert parallelism's all-to-all payload in the last step (plan.meshes)
 
 
 def learning_rate(cfg: TrainConfig, step: int) -> float:

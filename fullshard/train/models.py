@@ -98,7 +98,29 @@ class ModelSpec:
         return model.seq_len if isinstance(model, HFCausalLM) else model.cfg.seq_len
 
 
-def count_units(model: nn.Module) -> dict[str, int]:
-    """Parameters in all, outside the layers (the root unit), and in the largest unit (a layer, or the root)."""
-    return unit_counts(sum(p.numel() for p in model.parameters()),
-                       [sum(p.numel() for p in layer.parameters()) for layer in model.layers])
+def count_units(model: nn.Module, ep: int = 1) -> dict:
+    """Parameters in all, outside the layers (the root unit), and in the largest unit (a layer, or the root);
+    for an MoE also per role (``roles``: what ``plan.meshes.MeshShare`` takes, experts split over ``ep``) and
+    what its token exchange moves (``exchange``)."""
+    counts: dict = unit_counts(sum(p.numel() for p in model.parameters()),
+                               [sum(p.numel() for p in layer.parameters()) for layer in model.layers])
+    experts = expert_params(model)
+    if experts:
+        layers = [[p for p in layer.parameters() if id(p) in experts] for layer in model.layers]
+        per_layer = [sum(p.numel() for p in params) for params in layers]
+        dense = [sum(p.numel() for p in layer.parameters()) - n for layer, n in zip(model.layers, per_layer)]
+        counts["roles"] = {"dense": {"units": dense, "root": counts["root_params"], "split": 1},
+                           "experts": {"units": per_layer, "root": 0, "split": ep}}
+        cfg = model.cfg
+        counts["exchange"] = {"layers": cfg.n_layers, "top_k": cfg.top_k, "width": cfg.d_model,
+                              "n_experts": cfg.n_experts, "seq_len": cfg.seq_len}
+    return counts
+
+
+def expert_params(model: nn.Module) -> set[int]:
+    """The ids of an MoE's routed experts' parameters (``models/moe.py``); empty for any other model."""
+    from fullshard.models.moe import MoEGPT
+
+    if not isinstance(model, MoEGPT):
+        return set()
+    return {id(p) for block in model.layers for p in block.moe.experts.parameters()}

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Optional
 
 from fullshard.plan.formulas import gradient_wire_bytes, bytes_sent_per_rank, per_rank_theory
+from fullshard.plan.meshes import MeshShare, mesh_theory, sum_meshes, token_exchange_bytes
 
 from fullshard.plan.exchange import DEFAULT_BACKENDS, EXCHANGE_ENV
 from fullshard.plan.group import Strategy
@@ -18,30 +19,60 @@ def _mib(nbytes: float) -> str:
     return f"{nbytes / 2**20:8.2f} MiB"
 
 
-def theoretical(cfg, world: int, units: dict[str, int], runtime: Optional[dict] = None, replicas: int = 1) -> dict:
+def theoretical(cfg, world: int, units: dict, runtime: Optional[dict] = None, replicas: int = 1) -> dict:
     """What the planning code predicts for this run (per rank), sharded over ``world`` ranks and (HSDP)
     replicated ``replicas`` times.
 
     ``runtime``: the figures a runtime's ``memory_report`` computed from its own plan (MindSpore's
     include what the CPU emulation carries, and the replicas' all-reduce); without them the torch
-    runtime's are worked out here.
+    runtime's are worked out here. A model whose ``units`` count parameters per role (an MoE's dense weights
+    and experts, ``train.models.count_units``) is counted per mesh (``plan.meshes``): ``meshes`` has each
+    role's figures, and the totals are their sums.
     """
     if runtime is not None:
         return {"num_params": units["num_params"], **runtime}
     strategy = Strategy.parse(cfg.strategy)
     # bf16 gradients, unless micro-batches were accumulated without sync (in fp32, the reduce dtype)
     grads = "bfloat16" if cfg.mixed_precision == "bf16" and cfg.grad_accum == 1 else "float32"
-    reduce_bytes = gradient_wire_bytes(
-        strategy is Strategy.NO_SHARD, DEFAULT_BACKENDS[cfg.device], cfg.device, world, grads, "float32",
-        os.environ.get(EXCHANGE_ENV),
-    )
-    theory = per_rank_theory(
-        strategy, world, units["num_params"], units["largest_unit"], units["root_params"],
-        compute_bytes=2 if cfg.mixed_precision == "bf16" else 4, reduce_bytes=reduce_bytes,
-        micro_batches=cfg.grad_accum, replicas=replicas, replica_reduce_bytes=4,  # summed in fp32, the reduce dtype
-    )
-    return {"num_params": units["num_params"], "memory": theory["memory"], "traffic": theory["traffic"],
-            "replica": theory["replica"]}
+
+    def reduce_bytes(shards: int) -> int:
+        return gradient_wire_bytes(strategy is Strategy.NO_SHARD, DEFAULT_BACKENDS[cfg.device], cfg.device, shards,
+                                   grads, "float32", os.environ.get(EXCHANGE_ENV))
+
+    compute = 2 if cfg.mixed_precision == "bf16" else 4
+    if "roles" in units:
+        shares = [MeshShare(role, tuple(c["units"]), c["root"], c["split"]) for role, c in units["roles"].items()]
+        theory = mesh_theory(strategy, world, shares, compute_bytes=compute, reduce_bytes=reduce_bytes,
+                             micro_batches=cfg.grad_accum, replicas=replicas, replica_reduce_bytes=4)  # fp32 sums
+    else:  # one mesh: the whole model
+        theory = {"meshes": [], "total": per_rank_theory(
+            strategy, world, units["num_params"], units["largest_unit"], units["root_params"], compute_bytes=compute,
+            reduce_bytes=reduce_bytes(world), micro_batches=cfg.grad_accum, replicas=replicas,
+            replica_reduce_bytes=4)}  # the replicas sum in fp32, the reduce dtype
+    total = theory["total"]
+    figures = {"num_params": units["num_params"], "memory": total["memory"], "traffic": total["traffic"],
+               "replica": total["replica"], "meshes": theory["meshes"]}
+    exchange = units.get("exchange")
+    if exchange:
+        figures["token_exchange"] = token_exchange_bytes(
+            cfg.ep, exchange["layers"], cfg.batch_size // (world * replicas) * exchange["seq_len"],
+            exchange["top_k"], exchange["width"], compute, exchange["n_experts"], cfg.grad_accum)
+    return figures
+
+
+def mesh_rows(measured: list[dict], formulas: list[dict]) -> list[dict]:
+    """Rank 0's measured rows per mesh (each naming the roles of its parameters) next to the formulas of
+    those roles added up: a mesh holding several roles (an MoE's experts sharing the dense weights' groups)
+    is one row."""
+    rows = []
+    for mesh in measured:
+        formula = sum_meshes([f for f in formulas if f["role"] in mesh["roles"]])
+        held = mesh["param_bytes"] + mesh["grad_bytes"] + mesh["optim_bytes"]
+        rows.append({"roles": mesh["roles"], "shards": mesh["shards"], "replicas": mesh["replicas"],
+                     "held": held, "traffic": mesh["traffic"],
+                     "formula": {"held": sum(formula["memory"].get(k, 0.0) for k in ("params", "grads", "optim")),
+                                 "traffic": formula["traffic"]}})
+    return rows
 
 
 def _replicas_and_shards(shape: list[int]) -> tuple[int, int]:
@@ -93,11 +124,13 @@ def write_report(cfg, results: list[dict], out_dir: Path, reference: Optional[di
         "tokens_per_s": results[0]["tokens_per_s"],  # global tokens per second, timed on rank 0
         "ranks": [
             {k: r.get(k) for k in ("rank", "node", "host", "param_bytes", "grad_bytes", "optim_bytes",
-                                   "peak_rss_bytes", "traffic", "calls", "mesh_shape", "placements")}
+                                   "peak_rss_bytes", "traffic", "calls", "mesh_shape", "placements", "meshes",
+                                   "token_bytes")}
             for r in results
         ],
         "theory": theory,
         "experts": first.get("experts"),
+        "meshes": mesh_rows(first.get("meshes") or [], theory.get("meshes") or []) if "roles" in first["units"] else [],
     }
     if reference:
         summary["max_loss_deviation"] = max(abs(a - b) for a, b in zip(losses, summary["reference_loss"]))
@@ -128,7 +161,7 @@ def format_table(summary: dict) -> str:
     if summary.get("mesh"):
         lines.append(f"  mesh         {summary['mesh']['chosen']}")
     ep = summary["config"].get("ep", 1)
-    if ep > 1:  # the formulas below count every parameter on the dense mesh; the experts gather over efsdp only
+    if ep > 1:  # the rows per mesh below count the experts over efsdp, the dense weights over every rank
         lines.append(f"  experts      split over ep groups of {ep} (all-to-all tokens), sharded over efsdp "
                      f"{summary['world_size'] // ep}; gradients divided by {summary['world_size']} (docs/moe.md)")
     experts = summary.get("experts")
@@ -160,11 +193,34 @@ def format_table(summary: dict) -> str:
     if carried:
         lines.append(f"    sent/rank      {_mib(_measured_sent(summary, measured))}            "
                      f"{_mib(theory['sent'])}      {_mib(theory['carried_sent'])}")
+    lines += _mesh_lines(summary)
     if summary.get("plot"):
         lines.append(f"  plot         {summary['plot']}")
     elif summary.get("plot_skipped"):
         lines.append(f"  plot         skipped: {summary['plot_skipped']}")
     return "\n".join(lines)
+
+
+def _mesh_lines(summary: dict) -> list[str]:
+    """Per mesh (rank 0): the parameters' roles and ranks, bytes held and moved, measured next to the formula;
+    their totals; and expert parallelism's token all-to-all."""
+    rows = summary.get("meshes") or []
+    if not rows:
+        return []
+    lines = ["  per mesh (rank 0)                    measured         formula"]
+    for row in rows:
+        over = f"{row['shards']} ranks" + (f" x {row['replicas']} replicas" if row["replicas"] > 1 else "")
+        lines.append(f"    {' + '.join(row['roles'])} sharded over {over}")
+        lines.append(f"      params+grads+optim         {_mib(row['held'])}     {_mib(row['formula']['held'])}")
+        for kind, value in row["formula"]["traffic"].items():
+            if value or row["traffic"].get(kind):
+                lines.append(f"      {kind:<27}{_mib(row['traffic'].get(kind, 0))}     {_mib(value)}")
+    held = sum(row["held"] for row in rows), sum(row["formula"]["held"] for row in rows)
+    lines.append(f"    all meshes: params+grads+optim {_mib(held[0])}     {_mib(held[1])}")
+    if summary["theory"].get("token_exchange"):
+        lines.append(f"    tokens (ep all-to-all)         {_mib(summary['ranks'][0].get('token_bytes') or 0)}     "
+                     f"{_mib(summary['theory']['token_exchange'])}")
+    return lines
 
 
 def _measured_sent(summary: dict, measured: dict) -> float:

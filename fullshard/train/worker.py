@@ -20,11 +20,11 @@ import torch.nn as nn
 from fullshard.torch.clip import clip_grad_norm_  # across meshes (--ep); torch's own within one
 from fullshard.train.procs import peak_rss_bytes
 from fullshard.plan.exchange import DEFAULT_BACKENDS
-from fullshard.core.buffers import reset_traffic, traffic
+from fullshard.core.buffers import KINDS, reset_traffic, traffic, traffic_by_mesh
 from fullshard.train import rollcall
 from fullshard.train.config import EVAL_BATCHES, RankResult, TrainConfig, learning_rate, write_run_record
 from fullshard.train.data import ByteCorpus
-from fullshard.train.models import ModelSpec, count_units
+from fullshard.train.models import ModelSpec, count_units, expert_params
 from fullshard.train.nodes import Nodes, choose_mesh, nodes_of
 from fullshard.train.progress import Progress
 
@@ -58,7 +58,7 @@ def shard(model: nn.Module, cfg: TrainConfig, mesh=None) -> nn.Module:
     if cfg.mixed_precision == "bf16":
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     placement = None
-    if cfg.ep > 1:
+    if expert_params(model) and mesh is None and cfg.strategy != "no_shard":
         mesh, placement = _expert_parallel(model, cfg)
     for layer in model.layers:
         fully_shard(layer, mesh=mesh, mp_policy=mp, strategy=cfg.strategy, shard_placement_fn=placement)
@@ -67,15 +67,24 @@ def shard(model: nn.Module, cfg: TrainConfig, mesh=None) -> nn.Module:
 
 
 def _expert_parallel(model: nn.Module, cfg: TrainConfig):
-    """--ep: torchtitan's layout, ``(efsdp, ep)`` with ep innermost; experts split over ``ep`` and sharded over
-    ``efsdp``, everything else over every rank. Returns the dense mesh and the ``shard_placement_fn``."""
+    """An MoE: torchtitan's layout, ``(efsdp, ep)`` with ep innermost; experts split over ``ep`` and sharded over
+    ``efsdp``, everything else over every rank. Returns the dense mesh and the ``shard_placement_fn``.
+
+    With ``--ep 1`` nothing is split and no token travels, but the experts still shard over a mesh of their
+    own (efsdp: every rank, its own process group), so their memory and traffic are measured apart from the
+    dense weights' (the report's rows per mesh)."""
     from torch.distributed.device_mesh import init_device_mesh
 
     from fullshard.models.moe import expert_parallel, expert_placement
 
     world = dist.get_world_size()
-    sparse = init_device_mesh(cfg.device, (world // cfg.ep, cfg.ep), mesh_dim_names=("efsdp", "ep"))
     dense = init_device_mesh(cfg.device, (world,), mesh_dim_names=("fsdp",))
+    if cfg.ep == 1:  # a mesh over every rank reuses the default group: the experts' needs a group of its own
+        from torch.distributed.device_mesh import DeviceMesh
+
+        efsdp = DeviceMesh.from_group(dist.new_group(list(range(world))), cfg.device, mesh_dim_names=("efsdp",))
+        return dense, expert_placement(model, efsdp)
+    sparse = init_device_mesh(cfg.device, (world // cfg.ep, cfg.ep), mesh_dim_names=("efsdp", "ep"))
     expert_parallel(model, sparse["ep"])
     return dense, expert_placement(model, sparse["efsdp"])
 
@@ -85,6 +94,35 @@ def _record_placement(result: RankResult, model: nn.Module, nodes: Nodes) -> Non
     param = next(model.parameters())
     result.node, result.host, result.launcher_pid = nodes.node_rank, socket.gethostname(), os.getppid()
     result.mesh_shape, result.placements = list(param.device_mesh.shape), str(tuple(param.placements))
+
+
+def _meshes(model: nn.Module) -> list[dict]:
+    """The meshes this rank's parameters shard over (``accounting.mesh_params``), each with the roles of its
+    parameters (an MoE's routed experts, or dense): the report's rows per mesh, filled in as the run goes."""
+    from fullshard.torch.accounting import mesh_params
+
+    experts = expert_params(model)
+    return [{"key": key, "roles": sorted({"experts" if id(p) in experts else "dense" for p in mesh["params"]}),
+             "shards": mesh["shards"], "replicas": mesh["replicas"], "params": mesh["params"]}
+            for key, mesh in mesh_params(model).items()]
+
+
+def _record_step(result: RankResult, model: nn.Module, meshes: list[dict], grads: bool) -> None:
+    """The step's traffic, in all and per mesh, and the token exchange's; the gradients held (``grads``)."""
+    result.traffic = dict(traffic)
+    per_mesh = traffic_by_mesh()
+    for mesh in meshes:
+        mesh["traffic"] = per_mesh.get(mesh["key"], dict.fromkeys(KINDS, 0))
+        if grads:
+            mesh["grad_bytes"] = _local_bytes(p.grad for p in mesh["params"] if p.grad is not None)
+    result.token_bytes = sum(exchange.bytes for exchange in _exchanges(model))
+    if grads:
+        result.grad_bytes = _local_bytes(p.grad for p in model.parameters() if p.grad is not None)
+
+
+def _exchanges(model: nn.Module) -> list:
+    """An expert-parallel MoE's token exchanges (``models/moe.py``), one per block; none for other models."""
+    return [block.moe.exchange for block in model.layers if getattr(getattr(block, "moe", None), "exchange", None)]
 
 
 def _share_from_rank0(text: str) -> str:
@@ -146,24 +184,30 @@ def _train(cfg: TrainConfig, rank: int, world: int, roll) -> list[dict]:
     corpus = ByteCorpus.load(cfg.data)
     model = build_model(cfg)
     seq_len = model_spec(cfg).seq_len(model)
-    result = RankResult(rank, world, units=count_units(model))
+    result = RankResult(rank, world, units=count_units(model, cfg.ep))
     model = shard(model, cfg, build_mesh(cfg, nodes))
+    meshes = _meshes(model)
     _record_placement(result, model, nodes)
     optimizer = make_optimizer(model, cfg)
     start = load_checkpoint(cfg, model, optimizer) if cfg.resume else 0
     result.start_step = start
-    _train_steps(cfg, model, optimizer, corpus, seq_len, result, device, roll)
+    _train_steps(cfg, model, optimizer, corpus, seq_len, result, device, roll, meshes)
     result.val_loss = evaluate(model, corpus, cfg, seq_len, rank, world, device)
     result.param_bytes = _local_bytes(model.parameters())
     result.optim_bytes = _local_bytes(v for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v))
     result.peak_rss_bytes = peak_rss_bytes()
+    for mesh in meshes:
+        params = mesh.pop("params")
+        mesh["param_bytes"] = _local_bytes(params)
+        mesh["optim_bytes"] = _local_bytes(v for p in params for v in optimizer.state[p].values() if torch.is_tensor(v))
+    result.meshes = meshes
     gathered = [None] * world
     dist.all_gather_object(gathered, asdict(result))
     return gathered
 
 
 def _train_steps(cfg: TrainConfig, model, optimizer, corpus: ByteCorpus, seq_len: int, result: RankResult, device,
-                 roll) -> None:
+                 roll, meshes: list[dict]) -> None:
     """Steps ``result.start_step`` to ``cfg.steps``: losses, traffic, gradient bytes and speed into ``result``."""
     rank, world, start = result.rank, result.world, result.start_step
     micro = cfg.batch_size // world // cfg.grad_accum
@@ -174,6 +218,8 @@ def _train_steps(cfg: TrainConfig, model, optimizer, corpus: ByteCorpus, seq_len
             roll.step = step
         began = time.perf_counter()
         reset_traffic()
+        for exchange in _exchanges(model):
+            exchange.bytes = 0
         set_learning_rate(optimizer, cfg, step)
         tokens, targets = (torch.from_numpy(t).chunk(world)[rank].to(device)
                            for t in corpus.batch("train", cfg.seed, step, cfg.batch_size, seq_len))
@@ -186,13 +232,11 @@ def _train_steps(cfg: TrainConfig, model, optimizer, corpus: ByteCorpus, seq_len
             total += loss.detach()
         clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
-        if step == cfg.steps - 1 or step == start:
-            result.grad_bytes = _local_bytes(p.grad for p in model.parameters() if p.grad is not None)
+        _record_step(result, model, meshes, grads=step == cfg.steps - 1 or step == start)
         optimizer.zero_grad(set_to_none=True)
         dist.all_reduce(total)
         loss_value = total.item() / world
         result.losses[step] = loss_value
-        result.traffic = dict(traffic)
         if step > start:  # the first step pays for warm-up (lazy init, allocator)
             timed += time.perf_counter() - began
             tokens_done += cfg.batch_size * seq_len

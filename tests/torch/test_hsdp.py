@@ -68,8 +68,9 @@ def hsdp_accumulate_without_all_reduce():
 def hsdp_traffic_is_the_formula():
     """memory_report's theory counts HSDP's replica all-reduce: on a 2x2 and on a 4x1 mesh (replicas differ
     from shards), each kind's measured bytes of a step equal the formula's, the all-reduce exactly each
-    rank's gradient shard (the tiny GPT's dims divide by 2: no padding)."""
-    from fullshard.torch.accounting import memory_report
+    rank's gradient shard (the tiny GPT's dims divide by 2: no padding). The meter counts all of it, the
+    replicas' all-reduce too, for the one mesh the groups shard and replicate over."""
+    from fullshard.torch.accounting import memory_report, mesh_params, traffic_by_mesh
 
     figures = {}
     for replicas, shards in ((2, 2), (4, 1)):
@@ -85,6 +86,9 @@ def hsdp_traffic_is_the_formula():
             optimizer.zero_grad()
         theory = report["theory"]["traffic"]
         assert report["traffic"] == {k: int(v) for k, v in theory.items()}, (replicas, shards, report)
+        (key, mesh), = mesh_params(model).items()
+        assert (mesh["shards"], mesh["replicas"], len(mesh["params"])) == (shards, replicas, len(list(model.parameters())))
+        assert traffic_by_mesh() == {key: report["traffic"]}, traffic_by_mesh()
         num_params = sum(p.numel() for p in model.parameters())
         # fp32 shards, summed across replicas, with the reductions' presence counts (plan.group.plan_presence)
         presence = sum(g.plan.presence_numel for m in model.modules() if hasattr(m, "_fullshard_unit")
