@@ -9,6 +9,7 @@ Set-up (not a dependency of the project, not in CI)::
 Run (from the repository root; msrun comes from the venv, which this script puts first on PATH)::
 
     PYTHONPATH=. /tmp/venvs/mo/bin/python tools/mindone_moe.py [--steps 3] [--micro 2]
+    PYTHONPATH=. /tmp/venvs/mo/bin/python tools/mindone_moe.py --check-shims   # one process, no msrun
 
 The model is mindone's ``Qwen3MoeForCausalLM`` (``mindone.transformers``), a tiny config (2 decoder layers, each a
 sparse MoE block of 4 experts, top-2; vocab 32, hidden 8), fp32, random weights from a fixed numpy seed. Each rank
@@ -342,22 +343,52 @@ def worker(args) -> None:
     Path(run_dir(), f"result_{get_rank()}.json").write_text(json.dumps(results))
 
 
+# ---------------------------------------------------------------------- the shims' gradients, in one process
+def check_shims(eps: float = 1e-3) -> int:
+    """Autograd through the shims against central differences, along a random direction per parameter (the
+    reference shares the shims, so parity alone would not see a wrong gradient in them). A step much larger than
+    ``eps`` can flip a token's top-k choice and disagree for that reason alone."""
+    import mindspore as ms
+    from mindspore import Tensor
+
+    ms.set_context(mode=ms.PYNATIVE_MODE)
+    ms.set_device("CPU")
+    install_shims()
+    net, (ids, labels) = build(), batch(0)
+    params = net.trainable_params()
+    _, grads = ms.value_and_grad(lambda: loss_of(net, ids, labels), None, params)()
+    rng, failed = np.random.RandomState(5), 0
+    for param, grad in zip(params, grads):
+        direction, base = rng.randn(*param.shape).astype(np.float32), param.asnumpy().copy()
+        ends = []
+        for sign in (1, -1):
+            param.set_data(Tensor(base + sign * eps * direction))
+            ends.append(float(loss_of(net, ids, labels).asnumpy()))
+        param.set_data(Tensor(base))
+        numeric, analytic = (ends[0] - ends[1]) / (2 * eps), float((grad.asnumpy() * direction).sum())
+        bad = abs(numeric - analytic) > 1e-3 + 1e-2 * abs(analytic)
+        failed += bad
+        print(f"{param.name:<48} {numeric:+.5f} {analytic:+.5f}{'  MISMATCH' if bad else ''}")
+    print(f"{len(params) - failed} of {len(params)} directional derivatives agree (eps {eps:g})")
+    return 1 if failed else 0
+
+
 # ---------------------------------------------------------------------- the driver
 def report(results: dict) -> None:
-    print(f"{'config':<7} {'step':>4} {'loss (2 ranks)':>15} {'loss (1 process)':>17} {'|diff|':>9}")
+    print(f"{'config':<10} {'step':>4} {'loss (2 ranks)':>15} {'loss (1 process)':>17} {'|diff|':>9}")
     for name, r in results.items():
         for step, (a, b) in enumerate(zip(r["losses"], r["reference_losses"])):
-            print(f"{name:<7} {step:>4} {a:>15.7f} {b:>17.7f} {abs(a - b):>9.2e}")
-    print(f"\n{'config':<7} {'max main_grad err':>17} {'max final param err':>20}  idle (layer, expert) on rank 0")
+            print(f"{name:<10} {step:>4} {a:>15.7f} {b:>17.7f} {abs(a - b):>9.2e}")
+    print(f"\n{'config':<10} {'max main_grad err':>17} {'max final param err':>20}  idle (layer, expert) on rank 0")
     for name, r in results.items():
-        print(f"{name:<7} {r['max_grad_error']:>17.2e} {r['max_param_error']:>20.2e}  {r['idle_experts']}")
+        print(f"{name:<10} {r['max_grad_error']:>17.2e} {r['max_param_error']:>20.2e}  {r['idle_experts']}")
     print("\nreductions of step 0, by gradient node (fullshard's counters; all-reduce calls, bytes):")
-    print(f"{'config':<7} {'micro':>5} {'layer 0 experts':>16} {'layer 1 experts':>16} {'other units':>19}")
+    print(f"{'config':<10} {'micro':>5} {'layer 0 experts':>16} {'layer 1 experts':>16} {'other units':>19}")
     for name, r in results.items():
         for e in r["experts"]:
             experts = [f"{c} x, {b} B" for c, b in (e["layer0"], e["layer1"])]
             dense = f"{e['dense']} x ({e['dense_units']} units)"
-            print(f"{name:<7} {e['micro']:>5} {experts[0]:>16} {experts[1]:>16} {dense:>19}")
+            print(f"{name:<10} {e['micro']:>5} {experts[0]:>16} {experts[1]:>16} {dense:>19}")
 
 
 def main() -> int:
@@ -365,7 +396,11 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--micro", type=int, default=2)
     parser.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
+    parser.add_argument("--check-shims", action="store_true",
+                        help="instead: the shims' gradients against central differences, in this process")
     args = parser.parse_args()
+    if args.check_shims:
+        return check_shims()
     from fullshard.train.msrun import WorkerFailed, launch, run_dir
 
     if run_dir() is not None:  # a worker started by launch() below
