@@ -3,13 +3,13 @@ process, step by step (issue 30).
 
 Set-up (not a dependency of the project, not in CI)::
 
-    python3.11 -m venv /tmp/venvs/mo
-    /tmp/venvs/mo/bin/pip install "numpy<2" mindspore==2.10.0 mindone==0.5.0 transformers==4.57.1
+    python3.11 -m venv .venv-mindone
+    .venv-mindone/bin/pip install "numpy<2" mindspore==2.10.0 mindone==0.5.0 transformers==4.57.1
 
 Run (from the repository root; msrun comes from the venv, which this script puts first on PATH)::
 
-    PYTHONPATH=. /tmp/venvs/mo/bin/python tools/mindone_moe.py [--steps 3] [--micro 2]
-    PYTHONPATH=. /tmp/venvs/mo/bin/python tools/mindone_moe.py --check-shims   # one process, no msrun
+    PYTHONPATH=. .venv-mindone/bin/python tools/mindone_moe.py [--steps 3] [--micro 2]
+    PYTHONPATH=. .venv-mindone/bin/python tools/mindone_moe.py --check-shims   # one process, no msrun
 
 The model is mindone's ``Qwen3MoeForCausalLM`` (``mindone.transformers``), a tiny config (2 decoder layers, each a
 sparse MoE block of 4 experts, top-2; vocab 32, hidden 8), fp32, random weights from a fixed numpy seed. Each rank
