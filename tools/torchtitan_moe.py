@@ -227,11 +227,8 @@ class Trainer:
             self.loss_fn = CrossEntropyLoss.Config().build()
         if args.optimizer == "adamw":  # torchtitan's default
             self.optimizers = default_adamw(lr=args.lr).build(model_parts=[model])
-        else:
-            from torchtitan.components.optimizer import OptimizersContainer, ParamGroupConfig
-            group = ParamGroupConfig(pattern=".*", optimizer_name="SGD",
-                                     optimizer_kwargs={"lr": args.lr, "momentum": 0.9})
-            self.optimizers = OptimizersContainer.Config(param_groups=[group]).build(model_parts=[model])
+        else:  # torchtitan's container has no SGD; torch's takes the same step pre-hook
+            self.optimizers = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
         register_moe_load_balancing_hook(self.optimizers, [model], dims)
 
     def forward_backward(self, inputs, labels) -> tuple[torch.Tensor, torch.Tensor]:
