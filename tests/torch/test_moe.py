@@ -21,6 +21,7 @@ back to another mesh would show.
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
 from collections import Counter
@@ -474,3 +475,92 @@ def mesh_info_checks():
         None, first if p.ndim == 1 else second))
     assert len(model.layers[0]._fullshard_unit.groups) == 1
     return True
+
+
+class ChunkedHeadNet(MoENet):
+    """torchtitan's DeepSeek-V3 under its ChunkedLossWrapper: the forward stops after the final norm, the loss
+    applies the head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(D)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens.flatten())
+        for layer in self.layers:
+            x = layer(x)
+        return self.norm(x)
+
+
+def chunked_loss(model: ChunkedHeadNet, tokens, targets, total: int, chunks: int = 3,
+                 recorder: Recorder | None = None) -> torch.Tensor:
+    """ChunkedLossWrapper's steps: the head kept gathered over the chunks, each chunk's loss with a backward of
+    its own (gradient sync only at the last), then backward through the model from the chunks' gradients.
+    ``recorder`` records the chunks' forwards and backwards."""
+    hidden = model(tokens)
+    pieces = [piece.detach().requires_grad_() for piece in hidden.chunk(chunks)]
+    labels = targets.flatten().chunk(chunks)
+    head, sharded = model.head, hasattr(model.head, "unshard")
+    if sharded:
+        head.set_reshard_after_forward(False)
+        head.set_reshard_after_backward(False)
+        head.set_requires_gradient_sync(False, recurse=False)
+        head.unshard()
+    loss = 0.0
+    with recorder or contextlib.nullcontext():
+        for index, (piece, label) in enumerate(zip(pieces, labels)):
+            if sharded and index == chunks - 1:
+                head.set_requires_gradient_sync(True, recurse=False)
+            part = nn.functional.cross_entropy(head(piece), label, reduction="sum") / total
+            part.backward()
+            loss = loss + part.detach()
+    if sharded:
+        head.set_reshard_after_forward(True)
+        head.set_reshard_after_backward(True)
+        head.set_requires_gradient_sync(True, recurse=False)
+        head.reshard()
+    hidden.backward(torch.cat([piece.grad for piece in pieces]))
+    return loss
+
+
+@scenario(world_sizes=(2,))
+def chunked_loss_head_prefetches_nothing():
+    """torchtitan's DeepSeek-V3 with its chunked loss: [norm, head] one unit (torchtitan keeps it after forward),
+    the head run alone on each chunk with a backward of its own, and torchtitan's explicit backward prefetch of
+    the last block from the head. Such a backward ends at the head, and its end reshards what a prefetch
+    gathered: the last block was gathered again for every chunk (found with tools/torchtitan_moe.py). A unit
+    whose forward ran only some of its modules prefetches nothing in backward (FSDP2 hooks no pre-backward
+    there): the chunks' backwards gather nothing, and training still matches one process."""
+    torch.manual_seed(0)
+    reference = ChunkedHeadNet()
+    model = copy.deepcopy(reference)
+    for block in model.layers:
+        fully_shard(block)
+    fully_shard([model.norm, model.head], reshard_after_forward=False)
+    fully_shard(model)
+    for module in model.modules():  # torchtitan's: each rank's loss is its sum over the global token count
+        if hasattr(module, "set_gradient_divide_factor"):
+            module.set_gradient_divide_factor(1.0)
+    model.layers[0].set_modules_to_backward_prefetch([model])
+    model.layers[1].set_modules_to_backward_prefetch([model.layers[0]])
+    model.head.set_modules_to_backward_prefetch([model.layers[1]])
+    opt = torch.optim.SGD(model.parameters(), lr=0.3, momentum=0.9)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.3, momentum=0.9)
+    mine, losses, ref_losses, chunk_gathers = rank_slice(), [], [], []
+    for step in range(3):
+        tokens, targets = batch(step, 8)
+        recorder = Recorder()
+        loss = chunked_loss(model, tokens[mine], targets[mine], targets.numel(), recorder=recorder)
+        chunk_gathers.append(sum(recorder.by_ranks("all_gather").values()))
+        assert chunk_gathers[-1] == 0, f"step {step}: the chunks' backwards gathered {recorder.calls}"
+        total = loss.clone()
+        dist.all_reduce(total)
+        losses.append(total.item())
+        ref_losses.append(chunked_loss(reference, tokens, targets, targets.numel()).item())
+        assert_same_grads(model, reference, step, rtol=1e-5, atol=1e-6)
+        for optimizer in (opt, ref_opt):
+            optimizer.step()
+            optimizer.zero_grad()
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=1e-6)
+    assert_same_parameters(model, reference)
+    return {"gathers per step": chunk_gathers}
