@@ -3,14 +3,14 @@ ranks with fullshard (or stock FSDP2) and compared with one process holding the 
 
 Setup (torchtitan is not a dependency of fullshard and is never installed by it; a separate venv):
 
-    python3.11 -m venv /tmp/venvs/tt
-    /tmp/venvs/tt/bin/pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu
-    /tmp/venvs/tt/bin/pip install torchtitan==0.3.0      # pulls spmd_types, datasets, ...
+    python3.11 -m venv .venv-torchtitan
+    .venv-torchtitan/bin/pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu
+    .venv-torchtitan/bin/pip install torchtitan==0.3.0      # pulls spmd_types, datasets, ...
 
 Run, from the repository root (the checkout's fullshard is imported through PYTHONPATH):
 
-    TORCHDYNAMO_DISABLE=1 PYTHONPATH=. /tmp/venvs/tt/bin/python tools/torchtitan_moe.py            # both impls
-    TORCHDYNAMO_DISABLE=1 PYTHONPATH=. /tmp/venvs/tt/bin/python tools/torchtitan_moe.py --impl torch
+    TORCHDYNAMO_DISABLE=1 PYTHONPATH=. .venv-torchtitan/bin/python tools/torchtitan_moe.py            # both impls
+    TORCHDYNAMO_DISABLE=1 PYTHONPATH=. .venv-torchtitan/bin/python tools/torchtitan_moe.py --impl torch
     ... tools/torchtitan_moe.py --reshard never --loss plain --idle-experts                     # variants
 
 What it does, per ``--impl`` (``fullshard``, ``torch``; the default runs both, one after the other):
