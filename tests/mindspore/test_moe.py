@@ -113,10 +113,10 @@ def loss_of(net: nn.Cell, ids: np.ndarray, labels: np.ndarray, blocked: np.ndarr
 
 
 # ---------------------------------------------------------------------- mindformers' wrapping
-def meshes(expert_shape: tuple[int, int] = (1, 2)) -> tuple[fs.DeviceMesh, fs.DeviceMesh]:
+def meshes(replicas: int = 1) -> tuple[fs.DeviceMesh, fs.DeviceMesh]:
     """The dense mesh [fsdp] and the experts' [dp_replicate, efsdp] (no ep dim: no token exchange on CPU)."""
     dense = fs.init_device_mesh("cpu", (world(),), mesh_dim_names=("fsdp",))
-    return dense, fs.init_device_mesh("cpu", expert_shape, mesh_dim_names=("dp_replicate", "efsdp"))
+    return dense, fs.init_device_mesh("cpu", (replicas, world() // replicas), mesh_dim_names=("dp_replicate", "efsdp"))
 
 
 def expert_placement(efsdp: int):
@@ -243,12 +243,12 @@ def mindformers_gradient_sync_per_micro_batch():
 
 @scenario
 def experts_replicated_over_dp_replicate():
-    """Experts on [dp_replicate=2, efsdp=1] (whole on each rank, summed across the replicas) with
+    """Experts on [dp_replicate=2, efsdp=world/2] (on 2 ranks whole on each, summed across the replicas) with
     ``set_requires_all_reduce(is_last_micro)`` (torchtitan's HSDP pattern): the first micro-batch's sums wait."""
-    dense, expert = meshes((2, 1))
+    dense, expert = meshes(replicas=2)
     net = wrap_mindformers(build(), expert, dense, comm_fusion=False)
     group = net.layers[0].experts._fullshard_unit.groups[0]
-    assert group.comm.size == 1 and group.replica.size == 2 and group.divisor == 1.0  # "sum"
+    assert group.comm.size == world() // 2 and group.replica.size == 2 and group.divisor == 1.0  # "sum"
     return train(net, sync="all_reduce")
 
 
@@ -256,7 +256,7 @@ def experts_replicated_over_dp_replicate():
 def per_parameter_mesh():
     """One call per layer, the experts sent to their own mesh by ``shard_placement_fn`` returning (placement,
     mesh): one group per mesh, every group divided by the call's data-parallel size (the default division)."""
-    dense, expert = meshes((2, 1))
+    dense, expert = meshes(replicas=2)
     same_groups = fs.init_device_mesh("cpu", (1, world()), mesh_dim_names=("dp_replicate", "efsdp"))
     net = build()
     with pytest.raises(ValueError, match="shard_placement_fn returned .* for '[a-z_.0-9]+'; a tuple must be"):
@@ -276,7 +276,7 @@ def per_parameter_mesh():
     groups = net.layers[0]._fullshard_unit.groups
     # dense + norm (equal groups on two mesh objects: one group), the experts, the replicated expert_bias
     assert [(g.comm.size, g.replica.size if g.replica else 1, g.replicated) for g in groups] == [
-        (2, 1, False), (2, 1, True), (1, 2, False)], groups
+        (world(), 1, False), (world(), 1, True), (world() // 2, 2, False)], groups
     assert all(g.divisor == world() for g in groups)
     return train(net, summed=False)
 
