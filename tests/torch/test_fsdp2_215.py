@@ -445,6 +445,23 @@ def explicit_grad_dtype_on_a_bucket_member_leaves_the_others_in_theirs():
     return {name: str(dtype) for name, dtype in expected.items()}
 
 
+@scenario(world_sizes=(4,))
+def int_reshard_after_forward_on_an_unflattened_mesh_matches_the_reference():
+    """A 1-D mesh made by ``_unflatten`` of the world mesh (its dim name, "fsdp", is not one of its root's), with
+    reshard_after_forward=2 on 4 ranks (an int: backward gathers in blocks of 2): trains like one process. (On torch 2.15 the
+    blocks were looked up by dim name in the root mesh and fully_shard raised "tuple.index(x): x not in tuple";
+    upstream's test_shard_placement_fn_tp_ep found it.)"""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    world = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("world",))
+    mesh = world._unflatten(0, (dist.get_world_size(),), ("fsdp",))["fsdp"]
+    from fullshard.torch import api
+
+    result = run_parity(build_gpt, lambda m: shard_blocks_then_root(m, mesh=mesh, reshard_after_forward=2))
+    assert any(key[-1] == 2 for key in api._POST_FORWARD_MESHES), "no block groups of 2 ranks were made"
+    return result.losses
+
+
 @scenario
 def reset_iter_state_keeps_or_drops_reduced_gradients_as_the_installed_fsdp2():
     """torch 2.15's reset_iter_state drops the reduced sharded gradients; 2.13/2.14 keep them."""
