@@ -120,8 +120,17 @@ def _post_forward_group(mesh: DeviceMesh, shard_dim: int, size: int) -> dist.Pro
     leave out the other tensor-parallel ranks' blocks.
     """
     root = mesh._get_root_mesh()
-    index = shard_dim if root is mesh else root.mesh_dim_names.index(mesh.mesh_dim_names[shard_dim])
-    blocks = root.mesh.movedim(index, -1).reshape(-1, size)
+    if root is mesh or mesh.mesh.numel() == root.mesh.numel():
+        # it holds every rank itself (a mesh made by _unflatten, whose dim names its root does not have)
+        layout, index = mesh.mesh, shard_dim
+    elif mesh.mesh_dim_names[shard_dim] in (root.mesh_dim_names or ()):
+        layout, index = root.mesh, root.mesh_dim_names.index(mesh.mesh_dim_names[shard_dim])
+    else:
+        raise ValueError(
+            f"fully_shard(reshard_after_forward={size}): the mesh's shard dim {mesh.mesh_dim_names[shard_dim]!r} is "
+            f"not a dim of its root mesh {root.mesh_dim_names}, so the ranks' blocks cannot be laid out; pass "
+            "reshard_after_forward=True or False, or a mesh sliced from the root by name")
+    blocks = layout.movedim(index, -1).reshape(-1, size)
     # per process group world: ranks that are threads of one process (torch's threaded test group) each
     # have their own, and a mesh's groups resolve only in the world that made them
     key = (id(dist.distributed_c10d._get_default_group()), mesh.device_type, tuple(blocks.flatten().tolist()), size)

@@ -430,7 +430,9 @@ class ParamGroup(Group):
             grad_dtype_is_wire_dtype=all(g.dtype == wire for g in present),
             # only a plain, contiguous gradient is a collective's buffer as it is (a subclass is packed)
             grads_contiguous=all(is_plain(g) and g.is_contiguous() for g in present),
-            reduce_dtype_is_param_dtype=reduce_dtype == members[0].sharded_grad_dtype,
+            # every member's: a bucket joins parameters by stored and compute dtype, and their sharded gradient
+            # dtypes may still differ (an explicit Tensor.grad_dtype on some of them)
+            reduce_dtype_is_param_dtype=all(reduce_dtype == p.sharded_grad_dtype for p in members),
             all_reduce=self.replicated, offloaded=members[0].offloaded, exchange=plan.collectives.reduce,
             grads_present=len(present) == len(grads),
         ))

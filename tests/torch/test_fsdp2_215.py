@@ -399,6 +399,69 @@ def explicit_grad_dtype_is_reduced_and_kept_in_it():
     return [str(d) for d in dtypes]
 
 
+def _bf16_pair() -> nn.Module:
+    """bf16 parameters; the last layer's weight asks for fp32 gradients (Tensor.grad_dtype, torch 2.15)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 4)).bfloat16()
+    model[2].weight.grad_dtype = torch.float32
+    return model
+
+
+@scenario
+def explicit_grad_dtype_on_a_bucket_member_leaves_the_others_in_theirs():
+    """One parameter of a fused bucket with grad_dtype=fp32 (its layer's weight, the bucket's first member), the
+    bias beside it without one, reduced in fp32: the reduced buffer is the weight's gradient as it is, but the
+    bias's is cast to bf16. (Before, the bucket's first member alone decided, so the bias was handed the fp32
+    buffer and backward failed: "attempting to assign a gradient with dtype 'float' to a tensor with grad_dtype
+    'BFloat16'"; upstream's test_nested_device_conversion_with_grad found it.) Three SGD steps match one
+    process, with and without an explicit reduce_dtype."""
+    if not TORCH_PROMOTES_REDUCE_DTYPE:
+        return "skipped: the installed torch has no gradient dtype policies"
+    rank, world = dist.get_rank(), dist.get_world_size()
+    expected = {"0.weight": torch.bfloat16, "0.bias": torch.bfloat16, "2.weight": torch.float32,
+                "2.bias": torch.bfloat16}
+    for reduce_dtype in (torch.float32, None):
+        reference, model = _bf16_pair(), _bf16_pair()
+        policy = MixedPrecisionPolicy(reduce_dtype=reduce_dtype)
+        for layer in (model[0], model[2], model):
+            fully_shard(layer, mesh=mesh_1d(), mp_policy=policy)
+        buckets = model[2]._fullshard_unit.groups[0].plan.buckets
+        assert [b.members for b in buckets] == [(0, 1)], buckets  # weight first, the bias beside it
+        for step in range(3):
+            batch = tuple(t.bfloat16() for t in _normed_batch(step, 4))
+            _mse(model, tuple(t.chunk(world)[rank] for t in batch)).backward()
+            _mse(reference, batch).backward()
+            for (name, p), ref in zip(model.named_parameters(), reference.parameters()):
+                assert p.grad.dtype == ref.grad.dtype == expected[name], (name, p.grad.dtype, ref.grad.dtype)
+                torch.testing.assert_close(p.grad.full_tensor().float(), ref.grad.float(), rtol=2e-2, atol=2e-2,
+                                           msg=f"{name} at step {step}, reduce_dtype={reduce_dtype}")
+            with torch.no_grad():
+                for p, ref in zip(model.parameters(), reference.parameters()):
+                    p.add_(p.grad.to(p.dtype), alpha=-0.1)
+                    ref.add_(ref.grad.to(ref.dtype), alpha=-0.1)
+                    p.grad = ref.grad = None
+        for (name, p), ref in zip(model.named_parameters(), reference.parameters()):
+            torch.testing.assert_close(p.full_tensor().float(), ref.float(), rtol=2e-2, atol=2e-2, msg=name)
+    return {name: str(dtype) for name, dtype in expected.items()}
+
+
+@scenario(world_sizes=(4,))
+def int_reshard_after_forward_on_an_unflattened_mesh_matches_the_reference():
+    """A 1-D mesh made by ``_unflatten`` of the world mesh (its dim name, "fsdp", is not one of its root's), with
+    reshard_after_forward=2 on 4 ranks (an int: backward gathers in blocks of 2): trains like one process. (On torch 2.15 the
+    blocks were looked up by dim name in the root mesh and fully_shard raised "tuple.index(x): x not in tuple";
+    upstream's test_shard_placement_fn_tp_ep found it.)"""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    world = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("world",))
+    mesh = world._unflatten(0, (dist.get_world_size(),), ("fsdp",))["fsdp"]
+    from fullshard.torch import api
+
+    result = run_parity(build_gpt, lambda m: shard_blocks_then_root(m, mesh=mesh, reshard_after_forward=2))
+    assert any(key[-1] == 2 for key in api._POST_FORWARD_MESHES), "no block groups of 2 ranks were made"
+    return result.losses
+
+
 @scenario
 def reset_iter_state_keeps_or_drops_reduced_gradients_as_the_installed_fsdp2():
     """torch 2.15's reset_iter_state drops the reduced sharded gradients; 2.13/2.14 keep them."""
