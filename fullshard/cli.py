@@ -114,6 +114,22 @@ def _check_common(args, precisions: tuple[str, ...] = ("fp32", "bf16")) -> None:
         raise UsageError(f"--nproc must be at least 1, got {args.nproc}")
 
 
+def _check_mindspore_moe(args) -> None:
+    """The MoE's router and experts have one row per expert: sharded over ranks that do not divide them, the last
+    rank holds an empty shard, and MindSpore's optimizers refuse a zero-size Parameter (fully_shard warns)."""
+    from fullshard.models.config import MODEL_SIZES
+
+    if args.model != "moe" or args.strategy == "no_shard":
+        return
+    nodes = args.nnodes or 1
+    shard = args.nproc if args.mesh == "hsdp" or (args.mesh == "auto" and nodes > 1) else args.nproc * nodes
+    experts = MODEL_SIZES["moe"].n_experts
+    if experts % shard:
+        raise UsageError(f"--model moe with --framework mindspore shards its {experts} experts over {shard} ranks, "
+                         "leaving a rank an empty shard that MindSpore's optimizers refuse; use a number of ranks "
+                         f"per shard group that divides {experts}, or --strategy no_shard")
+
+
 def _check_framework(args) -> None:
     """One line for what the chosen framework cannot do (before anything starts)."""
     import importlib.util
@@ -135,6 +151,7 @@ def _check_framework(args) -> None:
         raise UsageError(f"--ep {args.ep} with --framework mindspore: MindSpore 2.10's CPU backend has no all-to-all "
                          "(AlltoAll, AlltoAllV: no CPU kernel), so experts cannot exchange tokens; drop --ep (the "
                          "experts then shard over every rank, a unit of their own per block) or use --framework torch")
+    _check_mindspore_moe(args)
     if args.device != "cpu":
         raise UsageError(f"--device {args.device} with --framework mindspore: the MindSpore job runs on cpu here")
     if importlib.util.find_spec("mindspore") is None:

@@ -65,9 +65,15 @@ def _check_estimate_ep(args, units: dict) -> None:
         return
     if args.ep < 1 or "roles" not in units:
         raise UsageError(f"--ep {args.ep}: expert parallelism needs --model moe and an --ep of at least 1")
-    experts = units["roles"]["experts"]["units"]
-    if args.nproc % args.ep or any(count % args.ep for count in experts):
-        raise UsageError(f"--ep {args.ep} must divide --nproc {args.nproc} and the model's experts")
+    if args.strategy == "no_shard":
+        raise UsageError(f"--ep {args.ep} shards the experts over a 1-D mesh: it needs a sharding --strategy, "
+                         "as fullshard train does")
+    # The expert count where the model says it (--model moe), else each unit's expert parameters (--model-class)
+    n_experts = units.get("exchange", {}).get("n_experts", 0)
+    counts = [n_experts] if n_experts else units["roles"]["experts"]["units"]
+    if args.nproc % args.ep or any(count % args.ep for count in counts):
+        named = f"the model's {n_experts} experts" if n_experts else "the model's experts"
+        raise UsageError(f"--ep {args.ep} must divide --nproc {args.nproc} and {named}")
 
 
 def _estimate_theory(args, units: dict, strategy: Strategy, reduce_bytes) -> dict:

@@ -147,6 +147,7 @@ def test_a_killed_worker_fails_the_job_fast_naming_its_rank(tmp_path):
     (["--strategy", "zero9"], "unknown --strategy 'zero9'"),
     (["--model", "moe", "--ep", "2"], "--ep 2 with --framework mindspore: MindSpore 2.10's CPU backend has no "
                                       "all-to-all"),
+    (["--model", "moe", "--nproc", "3"], "shards its 4 experts over 3 ranks, leaving a rank an empty shard"),
 ])
 def test_unsupported_combinations_get_one_line(args, message):
     proc = fullshard("train", "--framework", "mindspore", *args, timeout=60)

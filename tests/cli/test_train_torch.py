@@ -133,6 +133,8 @@ def test_resume_at_the_last_step_has_nothing_to_train(checkpointed_run):
     (["train", "--model", "moe", "--ep", "3", "--batch-size", "4"], "--ep 3 must divide the 2 processes"),
     (["train", "--model", "tiny", "--ep", "2", "--batch-size", "4"], "expert parallelism needs --model moe"),
     (["train", "--model", "moe", "--ep", "2", "--strategy", "no_shard"], "shards over a 1-D mesh"),
+    (["estimate", "--model", "moe", "--ep", "8", "--nproc", "8"], "--ep 8 must divide --nproc 8 and the model's 4"),
+    (["estimate", "--model", "moe", "--ep", "2", "--nproc", "4", "--strategy", "no_shard"], "a sharding --strategy"),
 ])
 def test_bad_arguments_give_one_clear_line(args, message):
     proc = fullshard(*args, timeout=60)
