@@ -30,13 +30,17 @@ def fullshard(*args, timeout=300):
                           timeout=timeout)
 
 
-@pytest.fixture(scope="module")
-def run(tmp_path_factory):
-    out = tmp_path_factory.mktemp("ms_run")
-    proc = fullshard(*TINY, "--steps", str(STEPS), "--verify", "--checkpoint-dir", str(out / "ckpt"),
-                     "--checkpoint-every", str(EVERY), "--out", str(out / "report"))
+def verified_run(out, args: list[str], steps: int, every: int):
+    """One --verify run with checkpoints every ``every`` steps: (its folder, the process, report.json)."""
+    proc = fullshard(*args, "--steps", str(steps), "--verify", "--checkpoint-dir", str(out / "ckpt"),
+                     "--checkpoint-every", str(every), "--out", str(out / "report"))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return out, proc, json.loads((out / "report" / "report.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    return verified_run(tmp_path_factory.mktemp("ms_run"), TINY, STEPS, EVERY)
 
 
 def test_trains_verifies_and_writes_the_report(run):
@@ -162,11 +166,7 @@ MOE_STEPS, MOE_EVERY = 3, 2
 
 @pytest.fixture(scope="module")
 def moe_run(tmp_path_factory):
-    out = tmp_path_factory.mktemp("ms_moe")
-    proc = fullshard(*MOE, "--steps", str(MOE_STEPS), "--verify", "--checkpoint-dir", str(out / "ckpt"),
-                     "--checkpoint-every", str(MOE_EVERY), "--out", str(out / "report"))
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return out, proc, json.loads((out / "report" / "report.json").read_text())
+    return verified_run(tmp_path_factory.mktemp("ms_moe"), MOE, MOE_STEPS, MOE_EVERY)
 
 
 def test_moe_experts_are_units_of_their_own_and_training_matches_one_process(moe_run):

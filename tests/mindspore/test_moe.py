@@ -22,10 +22,10 @@ from fullshard.mindspore.collectives import default_mesh  # noqa: E402
 from tests.conftest import Launch, scenario  # noqa: E402
 from tests.mindspore.parity import assert_close, lm_batch, local_rows, mean_over_ranks, rank, shard_of, world  # noqa: E402
 
-LAUNCH = Launch(world_sizes=(2,), runtime="mindspore", env={"FULLSHARD_CHECK_OWNERSHIP": "1"})
+LAUNCH = Launch(world_sizes=(2, 4), runtime="mindspore", env={"FULLSHARD_CHECK_OWNERSHIP": "1"})
 
 VOCAB, D, H, EXPERTS, TOP_K, BATCH, SEQ = 8, 4, 6, 3, 2, 4, 3
-IDLE_EXPERT = EXPERTS - 1  # never chosen by the tokens of the second half of each global batch (rank 1's rows)
+IDLE_EXPERT = EXPERTS - 1  # never chosen by the tokens of the second half of each global batch (the last rank's rows)
 SKIPPED: list = []  # (expert, tokens) each time an expert ran on no token here
 
 
@@ -170,7 +170,10 @@ def train(net: MoENet, steps: int = 2, micro: int = 2, sync: str = "always", lr:
     sense = 1.0 / world() if summed else 1.0
     reference = build()
     params, ref_params = net.trainable_params(), reference.trainable_params()
-    opt, ref_opt = nn.Adam(params, learning_rate=lr), nn.Adam(ref_params, learning_rate=lr)
+    # On 4 ranks the router's 3 rows leave the last rank an empty shard, which MindSpore's optimizers refuse
+    # (fully_shard warns): that rank steps only what it holds, as a mindformers user does
+    held = [p for p in params if p.size]
+    opt, ref_opt = nn.Adam(held, learning_rate=lr), nn.Adam(ref_params, learning_rate=lr)
     result = {"losses": [], "reference_losses": [], "max_grad_error": 0.0, "max_param_error": 0.0}
     SKIPPED.clear()
     for step in range(steps):
@@ -197,7 +200,7 @@ def train(net: MoENet, steps: int = 2, micro: int = 2, sync: str = "always", lr:
             assert param.name == ref_param.name, (param.name, ref_param.name)
             result["max_grad_error"] = max(result["max_grad_error"], assert_close(
                 param.main_grad.asnumpy(), shard_of(want, param), f"step {step} main_grad of {param.name}"))
-        opt(tuple(p.main_grad for p in params))
+        opt(tuple(p.main_grad for p in held))
         ref_opt(tuple(Tensor(g) for g in ref_grads))
         net.zero_grad()
         assert all(not p.main_grad.asnumpy().any() for p in params), "zero_grad() zeroes every main_grad"
@@ -206,8 +209,8 @@ def train(net: MoENet, steps: int = 2, micro: int = 2, sync: str = "always", lr:
         result["max_param_error"] = max(result["max_param_error"], assert_close(full[name], param.asnumpy(),
                                                                               f"final {name}"))
     assert set(full) == {n for n, _ in reference.parameters_and_names()}
-    if rank() == 1:
-        assert IDLE_EXPERT in SKIPPED, "rank 1 must have skipped the blocked expert"
+    if rank() == world() - 1:
+        assert IDLE_EXPERT in SKIPPED, "the last rank must have skipped the blocked expert"
     return result
 
 
@@ -223,7 +226,8 @@ def mindformers_seed_configuration():
     """The seed's configuration (ZeRO-3 ``optim_grads_params``, every parameter alone: comm_fusion=False)."""
     dense, expert = meshes()
     net = wrap_mindformers(build(), expert, dense, strategy="optim_grads_params", comm_fusion=False)
-    _experts_unit_layout(net, 2, (1, 1))  # 3 experts do not divide over 2 ranks: both on dim 1
+    # 3 experts divide over neither 2 nor 4 ranks: dim 1 (4 wide) where it divides, w2's (6 wide) not over 4
+    _experts_unit_layout(net, world(), (1, 1) if world() == 2 else (1,))
     return train(net)
 
 
