@@ -25,16 +25,9 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import NoReturn, Optional
 
-from fullshard.plan.group import Strategy
 from fullshard.train.launch import WorkerFailed, run_workers, under_torchrun
 from fullshard.train.nodes import DEFAULT_MASTER_PORT, Nodes, NodesError
-
-STRATEGIES = [s.value for s in Strategy]
-
-
-class UsageError(Exception):
-    """A bad argument: reported as one line, exit status 2, no traceback."""
-
+from fullshard.usage import STRATEGIES, UsageError, check_common, require_transformers
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -105,15 +98,6 @@ def _estimate_parser(sub) -> None:
                           "over nproc/N (each mesh counted on its own)")
 
 
-def _check_common(args, precisions: tuple[str, ...] = ("fp32", "bf16")) -> None:
-    if args.strategy not in STRATEGIES:
-        raise UsageError(f"unknown --strategy {args.strategy!r}; choose one of {', '.join(STRATEGIES)}")
-    if args.mixed_precision not in precisions:
-        raise UsageError(f"unknown --mixed-precision {args.mixed_precision!r}; choose {' or '.join(precisions)}")
-    if args.nproc < 1:
-        raise UsageError(f"--nproc must be at least 1, got {args.nproc}")
-
-
 def _check_mindspore_moe(args) -> None:
     """The MoE's router and experts have one row per expert: sharded over ranks that do not divide them, the last
     rank holds an empty shard, and MindSpore's optimizers refuse a zero-size Parameter (fully_shard warns)."""
@@ -180,7 +164,7 @@ def _train_config(args):
     from fullshard.train.config import TrainConfig
     from fullshard.train.data import expand_paths
 
-    _check_common(args, ("fp32", "bf16", "fp16"))
+    check_common(args, ("fp32", "bf16", "fp16"))
     _check_framework(args)
     if args.model not in MODEL_SIZES:
         raise UsageError(f"unknown --model {args.model!r}; choose one of {', '.join(MODEL_SIZES)}")
@@ -202,7 +186,7 @@ def _train_config(args):
         except FileNotFoundError as error:
             raise UsageError(str(error)) from None
     if args.hf_config:
-        _require_transformers()
+        require_transformers()
     if (args.resume or args.checkpoint_every) and not args.checkpoint_dir:
         raise UsageError("--resume and --checkpoint-every need --checkpoint-dir")
     cfg = TrainConfig(
@@ -384,17 +368,6 @@ def _export_torch(args, path: Path) -> Path:
     from fullshard.torch.checkpoint import export_checkpoint
 
     return export_checkpoint(path, args.out, key=args.key or None, require_manifest=not args.without_manifest)
-
-
-def format_bytes(nbytes: float) -> str:
-    return f"{nbytes / 2**30:10.2f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:10.2f} MiB"
-
-
-def _require_transformers() -> None:
-    try:
-        import transformers  # noqa: F401
-    except ImportError:
-        raise UsageError("--hf-config needs the transformers package: pip install transformers") from None
 
 
 def _estimate(args) -> int:

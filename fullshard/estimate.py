@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import os
 
-from fullshard.cli import UsageError, _check_common, _require_transformers, format_bytes
+from fullshard.usage import UsageError, check_common, format_bytes, require_transformers
 from fullshard.plan.exchange import DEFAULT_BACKENDS, EXCHANGE_ENV
 from fullshard.plan.formulas import gradient_wire_bytes, per_rank_theory
 from fullshard.plan.group import Strategy
@@ -15,7 +15,7 @@ from fullshard.plan.meshes import MeshShare, mesh_theory
 
 
 def estimate(args) -> int:
-    _check_common(args)
+    check_common(args)
     if args.device not in ("cpu", "cuda"):
         raise UsageError(f"unknown --device {args.device!r}; choose cpu or cuda")
     if args.optimizer not in ("adamw", "sgd"):
@@ -115,7 +115,7 @@ def _count_model(args) -> dict[str, int]:
             return {"num_params": total, "largest_unit": largest, "root_params": 0}
         return count_units(model, args.ep)
     if args.hf_config:
-        _require_transformers()
+        require_transformers()
     elif not args.model:
         raise UsageError("give --params N, --model NAME, --hf-config CONFIG or --model-class module:Class")
     elif args.model not in MODEL_SIZES:

@@ -69,15 +69,20 @@ def test_memory_and_traffic_next_to_the_formulas(run):
     assert theory["carried_sent"] > theory["sent"]
 
 
-def test_resume_continues_bit_for_bit(run, tmp_path):
-    out, _, full = run
-    shutil.copytree(out / "ckpt" / f"step_{EVERY}", tmp_path / "ckpt" / f"step_{EVERY}")
-    proc = fullshard(*TINY, "--steps", str(STEPS), "--resume", "--checkpoint-dir", str(tmp_path / "ckpt"),
+def resume_matches(verified, args: list[str], steps: int, every: int, tmp_path) -> None:
+    """--resume from a copy of the verified run's checkpoint at ``every`` retrains the last steps bit for bit."""
+    out, _, full = verified
+    shutil.copytree(out / "ckpt" / f"step_{every}", tmp_path / "ckpt" / f"step_{every}")
+    proc = fullshard(*args, "--steps", str(steps), "--resume", "--checkpoint-dir", str(tmp_path / "ckpt"),
                      "--out", str(tmp_path / "report"))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     resumed = json.loads((tmp_path / "report" / "report.json").read_text())
-    assert resumed["steps"] == list(range(EVERY, STEPS))
-    assert resumed["train_loss"] == full["train_loss"][EVERY:]
+    assert resumed["steps"] == list(range(every, steps))
+    assert resumed["train_loss"] == full["train_loss"][every:]
+
+
+def test_resume_continues_bit_for_bit(run, tmp_path):
+    resume_matches(run, TINY, STEPS, EVERY, tmp_path)
 
 
 def test_resume_into_another_model_stops_before_the_workers(run, tmp_path):
@@ -193,14 +198,8 @@ def test_moe_experts_are_units_of_their_own_and_training_matches_one_process(moe
 
 
 def test_moe_resumes_bit_for_bit_and_exports(moe_run, tmp_path):
-    out, _, full = moe_run
-    shutil.copytree(out / "ckpt" / f"step_{MOE_EVERY}", tmp_path / "ckpt" / f"step_{MOE_EVERY}")
-    proc = fullshard(*MOE, "--steps", str(MOE_STEPS), "--resume", "--checkpoint-dir", str(tmp_path / "ckpt"),
-                     "--out", str(tmp_path / "report"))
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    resumed = json.loads((tmp_path / "report" / "report.json").read_text())
-    assert resumed["steps"] == list(range(MOE_EVERY, MOE_STEPS))
-    assert resumed["train_loss"] == full["train_loss"][MOE_EVERY:]
+    resume_matches(moe_run, MOE, MOE_STEPS, MOE_EVERY, tmp_path)
+    out = moe_run[0]
     proc = fullshard("export", str(out / "ckpt" / f"step_{MOE_EVERY}"), str(tmp_path / "moe.safetensors"), timeout=60)
     assert proc.returncode == 0, proc.stderr
     exported = TensorFile(tmp_path / "moe.safetensors")

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from fullshard.checkpoint import latest_step
-from fullshard.cli import format_bytes
+from fullshard.usage import format_bytes
 from fullshard.models.gpt import GPT, MODEL_SIZES
 from fullshard.plan.group import Strategy
 from fullshard.plan.formulas import peak_state_bytes
