@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from fullshard.plan import Exchange, reduce_scratch_chunks
 from fullshard.torch import collectives
+from fullshard.train.procs import exit_skipping_finalization
 
 
 def other_threads_cpu_s() -> float:
@@ -76,6 +77,7 @@ def main() -> None:
         Exchange.PAIRWISE, gathered, shard, None, tag=2).wait(), args.repetitions)
     _measure("all-reduce: gloo collective (DDP)", lambda: dist.all_reduce(full), args.repetitions)
     dist.destroy_process_group()
+    exit_skipping_finalization(0)
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from exchange_cost import other_threads_cpu_s  # the script directory is on sys.path
 from fullshard import bench
+from fullshard.train.procs import exit_skipping_finalization
 
 
 def _step(trainer: bench.Trainer, batch) -> list[float]:
@@ -77,6 +78,7 @@ def main() -> None:
         print(f"{args.config}: medians over {args.steps} steps after {warmup} warm-up steps")
         print("\n".join(line for rank_lines in gathered for line in rank_lines))
     dist.destroy_process_group()
+    exit_skipping_finalization(0)
 
 
 if __name__ == "__main__":

@@ -23,10 +23,11 @@ import os
 import sys
 from dataclasses import asdict
 from pathlib import Path
-from typing import NoReturn, Optional
+from typing import Optional
 
 from fullshard.train.launch import WorkerFailed, run_workers, under_torchrun
 from fullshard.train.nodes import DEFAULT_MASTER_PORT, Nodes, NodesError
+from fullshard.train.procs import exit_skipping_finalization
 from fullshard.usage import STRATEGIES, UsageError, check_common, require_transformers
 
 
@@ -392,20 +393,6 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(f"fullshard {args.command}: {error}", file=sys.stderr)
         code = 1
     if args.command == "train" and under_torchrun():
-        _end_torchrun_rank(code)
+        exit_skipping_finalization(code)
     return code
 
-
-def _end_torchrun_rank(code: int) -> NoReturn:
-    """End this torchrun rank without the interpreter's finalization, as a spawned worker ends
-    (multiprocessing's ``os._exit``).
-
-    gloo's worker threads outlive ``destroy_process_group`` (DTensor's sharding caches keep the mesh
-    and its groups alive), and one still releasing the tensors of the last ``all_gather_object`` takes
-    the GIL while the interpreter finalizes: the process aborts ("terminate called without an active
-    exception", about 1 run in 10 on 2 cores; a core dump showed the thread), and on several nodes the
-    other agents then wait out torchrun's exit barrier.
-    """
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)

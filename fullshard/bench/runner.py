@@ -56,7 +56,7 @@ from fullshard.bench.meters import (
     CollectiveMeter, CommSampler, CpuAllocations, CudaAllocations, fsdp2_unsharded, storage_bytes, training_state,
 )
 from fullshard.bench.report import POINT_TO_POINT, format_markdown, write_results
-from fullshard.train.procs import free_port, peak_rss_bytes, reset_peak_rss
+from fullshard.train.procs import exit_skipping_finalization, free_port, peak_rss_bytes, reset_peak_rss
 from fullshard.models.gpt import GPT, GPTConfig
 from fullshard.plan.formulas import gradient_wire_bytes, bytes_sent_per_rank, per_rank_theory
 from fullshard.plan.exchange import DEFAULT_BACKENDS, EXCHANGE_ENV
@@ -198,12 +198,7 @@ def _worker(local_rank: int, options: dict) -> None:
             print(f"wrote {json_path} and {md_path}", flush=True)
     finally:
         dist.destroy_process_group()
-    # Everything is measured and written. kineto (the profiler behind the memory phase) sometimes
-    # aborts a process in its exit-time destructors ("terminate called without an active exception",
-    # SIGABRT) when the interpreter shuts down: leave without them.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    exit_skipping_finalization(0)  # everything is measured and written
 
 
 def _init(local_rank: int, options: dict, meter: CollectiveMeter) -> Run:

@@ -1,11 +1,12 @@
 """Process helpers the launchers, reports and tests of both frameworks share: a free port, peak RSS, the
-processes below a launcher."""
+processes below a launcher, an exit that skips the interpreter's finalization."""
 from __future__ import annotations
 
 import os
 import resource
 import socket
 import sys
+from typing import NoReturn
 
 
 def free_port() -> int:
@@ -58,3 +59,19 @@ def descendants(pid: int) -> list[int]:
         found += below
         frontier += below
     return found
+
+
+def exit_skipping_finalization(code: int) -> NoReturn:
+    """End a torch.distributed process whose work is done without the interpreter's finalization, as
+    a spawned worker ends (multiprocessing's ``os._exit``).
+
+    gloo's worker threads outlive ``destroy_process_group`` (DTensor's sharding caches keep the mesh
+    and its groups alive), and one still releasing the tensors of the last ``all_gather_object`` takes
+    the GIL while the interpreter finalizes; kineto (the profiler behind the benchmark's memory phase)
+    does the same in its exit-time destructors. Either aborts the process ("terminate called without
+    an active exception", SIGABRT; about 1 run in 10 on 2 cores, a core dump showed the thread), and
+    on several nodes the other agents then wait out torchrun's exit barrier.
+    """
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
