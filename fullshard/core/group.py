@@ -101,6 +101,9 @@ class Group:
         """A step raised: let gathers in flight end; storage a failed transfer may still write is dropped."""
         raise NotImplementedError
 
+    def before_backward(self) -> None:
+        """A backward is about to give this group's parameters gradients (a runtime may choose their dtype)."""
+
     def has_pending_grads(self) -> bool:
         """Gradients arrived or accumulate since the last reduction."""
         raise NotImplementedError

@@ -238,6 +238,7 @@ class Unit:
             for group in self.groups:
                 if group.unshard_in_backward:
                     group.unshard()
+                group.before_backward()
             # A unit of several modules whose forward ran only some of them (a chunked loss calls the head alone,
             # a backward per chunk): that backward ends at this unit and its end reshards what a prefetch
             # gathered, again for every chunk. FSDP2 hooks no pre-backward to such a forward: no prefetch.

@@ -47,6 +47,10 @@ class Accumulation(enum.Enum):
 
     # autograd sums into the unsharded parameter's .grad, which fullshard only borrows (and reduces later)
     IN_AUTOGRAD = "summed by autograd into the gradient it holds"
+    # the first gradient is converted into a new tensor in the reduce dtype, which becomes the unsharded parameter's
+    # .grad and the dtype autograd casts the next ones to before summing them into it (torch 2.15's grad_dtype); the
+    # new tensor is given away (autograd's and the user's from then on, borrowed like IN_AUTOGRAD's)
+    CONVERTED_IN_AUTOGRAD = "converted once to the reduce dtype as the gradient autograd holds, then summed into it"
     OWNED = "summed into an accumulator fullshard owns, in the reduce dtype"
 
 
@@ -119,6 +123,10 @@ class RuntimeFacts:
     # A parameter's gradient of a later backward is summed into the one it holds (torch's .grad). MindSpore's
     # value_and_grad returns new gradients each call; whatever is kept between calls, fullshard keeps.
     autograd_accumulates: bool = True
+    # A parameter may hold a gradient of another dtype than its own, which autograd casts later gradients to and
+    # sums into (torch 2.15's ``Tensor.grad_dtype``; the torch runtime passes its installed version's row:
+    # ``fullshard.torch.policies.TORCH_RUNTIME_FACTS``). Older torch refuses such a ``.grad``.
+    grads_in_any_dtype: bool = False
     # A parameter a backward did not reach has no gradient at all (torch: .grad stays None, which optimizers
     # skip). MindSpore hands zeros for it instead, as a single process would.
     grads_may_be_absent: bool = True
@@ -214,13 +222,18 @@ def plan_accumulation(grad_dtype_is_reduce_dtype: bool, runtime: RuntimeFacts = 
     """Where gradients are summed while gradient sync is off (accumulation across backward passes).
 
     Where autograd sums into the gradient it holds and that gradient already is in the reduce dtype,
-    nothing is copied: autograd's own sum is reduced at the synced backward. Otherwise (a narrower
-    compute dtype summed in the reduce dtype, or a runtime whose autograd returns new gradients each
-    time) into an accumulator fullshard allocates, casts or copies into, and owns.
+    nothing is copied: autograd's own sum is reduced at the synced backward. Where a parameter may hold a
+    gradient of another dtype (``runtime.grads_in_any_dtype``), the sum stays autograd's in the reduce dtype
+    too, as FSDP2 2.15 leaves it: the first gradient is converted once, and autograd casts the later ones
+    to it; the pending sum is the unsharded parameter's ``.grad`` for the user's code to read, edit or
+    clear. Otherwise (older torch, or a runtime whose autograd returns new gradients each time) into an
+    accumulator fullshard allocates, casts or copies into, and owns.
     """
-    if runtime.autograd_accumulates and grad_dtype_is_reduce_dtype:
+    if not runtime.autograd_accumulates:
+        return Accumulation.OWNED
+    if grad_dtype_is_reduce_dtype:
         return Accumulation.IN_AUTOGRAD
-    return Accumulation.OWNED
+    return Accumulation.CONVERTED_IN_AUTOGRAD if runtime.grads_in_any_dtype else Accumulation.OWNED
 
 
 @dataclass(frozen=True)

@@ -31,7 +31,7 @@ from fullshard.torch.collectives import Kind, Owned
 from fullshard.torch.errors import NotMaterializedError
 from fullshard.torch.extensions import ExtensionState, gather_extended
 from fullshard.torch.param import ShardedParam, dtype_name, is_plain
-from fullshard.torch.policies import TORCH_PROMOTES_REDUCE_DTYPE
+from fullshard.torch.policies import TORCH_PROMOTES_REDUCE_DTYPE, TORCH_RUNTIME_FACTS
 
 
 class ParamGroup(Group):
@@ -120,10 +120,17 @@ class ParamGroup(Group):
                                   Exchange.CUSTOM if self.custom_reduce_scatter is not None else self.exchange)
         reduce_dtype = dtype_name(self._reduce_dtype) if self._reduce_dtype is not None else None
         self.plan = GroupPlan(self.params, [p.facts for p in self.params], module_name, "module", reduce_dtype,
-                              DEFAULT_FUSE_BELOW_NUMEL, collectives, TORCH,
+                              DEFAULT_FUSE_BELOW_NUMEL, collectives, TORCH, TORCH_RUNTIME_FACTS,
                               promote_grad_dtypes=TORCH_PROMOTES_REDUCE_DTYPE)
         # Outputs of lone all-gathers: the unsharded parameter is a view of them, so they live as long as the
         # plan and are reclaimed on reshard.
+        for index, param in enumerate(self.params):
+            converted = self.plan.accumulations[index] is Accumulation.CONVERTED_IN_AUTOGRAD
+            param.held_grad_dtype = self.reduce_dtype(index) if converted else None
+            # As FSDP2 2.15: a wider dtype is taken on only while accumulating, except for a tensor-parallel
+            # parameter's gradient, which may be summed over its own mesh first, in whatever dtype it has.
+            param.defers_widening = converted and param.spec.unsharded is None and \
+                self.reduce_dtype(index).itemsize > param.compute_dtype.itemsize
         self._view_outputs: list[Optional[Owned]] = [None] * len(self.plan.buckets)
         self._extensions: dict[int, ExtensionState] = {}  # bucket index -> what an extended parameter keeps
 
@@ -367,11 +374,19 @@ class ParamGroup(Group):
         param = self.params[index]
         if checks.finite:
             checks.inspect(param.fqn, param.local_grad(param.unsharded.grad))
-        if not self.reduce_grads and self.plan.accumulations[index] is Accumulation.OWNED:
-            # Accumulating without sync: sum in the reduce dtype (e.g. fp32 for bf16 compute).
-            param.accumulate_grad_in(self.reduce_dtype(index), f"gradient accumulator of '{param.fqn}'")
+        if not self.reduce_grads:  # accumulating without sync: sum in the reduce dtype (e.g. fp32 for bf16 compute)
+            accumulation = self.plan.accumulations[index]
+            if accumulation is Accumulation.OWNED:
+                param.accumulate_grad_in(self.reduce_dtype(index), f"gradient accumulator of '{param.fqn}'")
+            elif accumulation is Accumulation.CONVERTED_IN_AUTOGRAD:
+                param.hold_grad()
         if self.on_grad is not None:
             self.on_grad()
+
+    def before_backward(self) -> None:
+        for param in self.params:
+            if param.requires_grad:
+                param.before_backward(self.reduce_grads)
 
     def has_pending_grads(self) -> bool:
         """Some gradient arrived since the last reduction (read off the parameters, not tracked)."""

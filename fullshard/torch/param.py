@@ -175,6 +175,17 @@ def is_plain(tensor: torch.Tensor) -> bool:
     return type(tensor) in (torch.Tensor, nn.Parameter)
 
 
+def _same_view(new: torch.Tensor, old: torch.Tensor) -> bool:
+    """Whether ``new`` is ``old``, or a view of exactly the same bytes (a no-op conversion's re-wrap)."""
+    if new is old:
+        return True
+    if not (is_plain(new) and is_plain(old)) or new.dtype != old.dtype or new.device != old.device \
+            or new.device.type == "meta":
+        return False
+    return (new.untyped_storage().data_ptr() == old.untyped_storage().data_ptr()
+            and new.storage_offset() == old.storage_offset() and new.shape == old.shape and new.stride() == old.stride())
+
+
 class ShardedParam:
     """State of one managed parameter (possibly registered under several names: tied weights)."""
 
@@ -231,6 +242,11 @@ class ShardedParam:
         # Gradients summed across backward passes without sync, in the reduce dtype
         # when it differs from the compute dtype (owned; see accumulate_grad_in).
         self.grad_accumulator: Optional[Owned] = None
+        # torch 2.15 (``Accumulation.CONVERTED_IN_AUTOGRAD``): the dtype the unsharded parameter's gradient is held
+        # in (its grad_dtype), and whether a backward that reduces leaves it to autograd's own dtype meanwhile
+        # (a wider one: each gradient cast only when packed for the reduction, no wider copy of it first)
+        self.held_grad_dtype: Optional[torch.dtype] = None
+        self.defers_widening = False
         with torch.no_grad():
             full = param._local_tensor.detach() if isinstance(param, DTensor) else param.detach()
             if full.device != self.storage_device and full.device.type != "meta":
@@ -299,7 +315,12 @@ class ShardedParam:
         """
         module, name = self.owners[0]
         current = module._parameters.get(name)
-        if current is self.sharded and current._local_tensor is self._local:
+        if current is self.sharded and _same_view(current._local_tensor, self._local):
+            # a conversion that changed nothing (``.to(device)`` to where it is) may still swap in a new tensor
+            # over the same storage (without the grad_dtype policy): nothing to re-adopt, and the unsharded
+            # parameter keeps its pending gradient (as in FSDP2)
+            self._local = current._local_tensor
+            self._apply_grad_dtype(current)
             extended = self.extension is not None
             if current.requires_grad == self.requires_grad and extended == self.extended:
                 return False
@@ -406,6 +427,7 @@ class ShardedParam:
         if self.spec.unsharded is not None:
             data = DTensor(data, self.spec.unsharded_spec(data.dtype), requires_grad=False)
         self.unsharded = nn.Parameter(data, requires_grad=self.requires_grad)
+        self._hold_grad_dtype()
         return self.unsharded
 
     def local_grad(self, grad: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
@@ -460,6 +482,7 @@ class ShardedParam:
         """Forget every gradient of this step: unreduced, accumulated and (``reduced``) reduced."""
         if self.unsharded is not None:
             self.unsharded.grad = None
+        self._hold_grad_dtype()
         if self.grad_accumulator is not None:
             self.grad_accumulator.reclaim()
             self.grad_accumulator = None
@@ -471,6 +494,7 @@ class ShardedParam:
         grad = None
         if self.unsharded is not None:
             grad, self.unsharded.grad = self.local_grad(self.unsharded.grad), None
+        self._hold_grad_dtype()
         if self.grad_accumulator is not None:
             if grad is not None:
                 with torch.no_grad():
@@ -489,6 +513,31 @@ class ShardedParam:
             return
         with torch.no_grad():
             self.grad_accumulator.writable("accumulate a gradient").add_(grad)
+
+    # ------------------------------------------------------------------ gradients held in another dtype (2.15)
+    def _hold_grad_dtype(self) -> None:
+        """The unsharded parameter's gradient is held in ``held_grad_dtype`` (set when it is made, and again once
+        its gradient was taken or dropped): autograd casts each gradient to it before summing."""
+        if self.held_grad_dtype is not None and self.unsharded is not None and self.unsharded.grad is None:
+            self.unsharded.grad_dtype = self.held_grad_dtype
+
+    def before_backward(self, reducing: bool) -> None:
+        """A backward reaches the parameter: one that reduces, or that sums into a held gradient, lets autograd
+        give its own dtype (summed in place into a wider held one, or cast when packed for the reduction)."""
+        if self.defers_widening and self.unsharded is not None and (reducing or self.unsharded.grad is not None):
+            self.unsharded.grad_dtype = None
+
+    def hold_grad(self) -> None:
+        """A backward without sync gave the parameter its gradient: held in ``held_grad_dtype`` from here on (a
+        new tensor if autograd's was in its own dtype), for the next backwards to sum into. That tensor is
+        autograd's and the user's: fullshard reads it at the reduction and drops it, nothing more."""
+        grad = self.unsharded.grad
+        if grad is not None and grad.dtype != self.held_grad_dtype:
+            self.unsharded.grad = None  # torch refuses a grad_dtype the current gradient does not have
+            self.unsharded.grad_dtype = self.held_grad_dtype
+            self.unsharded.grad = grad.to(self.held_grad_dtype)
+        else:
+            self.unsharded.grad_dtype = self.held_grad_dtype
 
     def __repr__(self) -> str:
         return f"ShardedParam({self.fqn}, shape={self.layout.shape}, dim={self.layout.dim})"

@@ -6,12 +6,14 @@ those): ``fully_shard`` converts and checks them (``api.py``).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from typing import Callable, Optional
 
 import torch
 import torch.nn as nn
 from torch.distributed import fsdp as _torch_fsdp
+
+from fullshard.plan import TORCH_RUNTIME
 
 # What the installed torch's FSDP2 means, read once at import (2.15 added the override field to its policy, and
 # the gradient-dtype policies FSDP2 follows since then; 2.13 and 2.14 have neither).
@@ -20,6 +22,10 @@ TORCH_HAS_PARAM_DTYPE_OVERRIDE = "param_dtype_override_fn" in {f.name for f in f
 # parameter's own, or its explicit ``Tensor.grad_dtype``), not in param_dtype; and reset_iter_state drops the
 # reduced sharded gradients too. 2.13/2.14 reduce in param_dtype and keep them.
 TORCH_PROMOTES_REDUCE_DTYPE = hasattr(torch.Tensor, "_has_grad_dtype_override")
+# And there a parameter may hold a gradient of another dtype (``Tensor.grad_dtype``): between backwards without
+# sync the pending sum stays the unsharded parameter's ``.grad``, in the reduce dtype, as FSDP2 2.15 leaves it,
+# where 2.13 and 2.14 (and fullshard on them) keep it apart (``plan.ownership.plan_accumulation``).
+TORCH_RUNTIME_FACTS = replace(TORCH_RUNTIME, grads_in_any_dtype=TORCH_PROMOTES_REDUCE_DTYPE)
 
 
 @dataclass(frozen=True)
@@ -96,7 +102,8 @@ def capture_grad_dtype_policy(param) -> bool:
     module, name = param.owners[0]
     changed = False
     for tensor in (param.sharded, module._parameters.get(name)):
-        if isinstance(tensor, torch.Tensor) and tensor._has_grad_dtype_override:
+        # the unsharded parameter's grad_dtype is fullshard's (ShardedParam.convert_grad), never the user's
+        if isinstance(tensor, torch.Tensor) and tensor._has_grad_dtype_override and tensor is not param.unsharded:
             changed |= not param.has_grad_dtype or param.grad_dtype != tensor.grad_dtype
             param.has_grad_dtype, param.grad_dtype = True, tensor.grad_dtype
     return changed

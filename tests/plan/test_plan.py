@@ -434,12 +434,20 @@ def test_a_replica_is_borrowed_unless_computing_needs_a_copy():
 
 
 @pytest.mark.parametrize("runtime, same_dtype, expected", [
-    ("torch", True, "IN_AUTOGRAD"), ("torch", False, "OWNED"), ("mindspore", True, "OWNED"), ("mindspore", False, "OWNED"),
+    ("torch", True, "IN_AUTOGRAD"), ("torch", False, "OWNED"),
+    ("torch 2.15", True, "IN_AUTOGRAD"), ("torch 2.15", False, "CONVERTED_IN_AUTOGRAD"),
+    ("mindspore", True, "OWNED"), ("mindspore", False, "OWNED"),
 ])
-def test_accumulation_is_autograds_only_where_it_sums_in_the_reduce_dtype(runtime, same_dtype, expected):
+def test_accumulation_stays_autograds_where_the_gradient_it_holds_can_sum_it(runtime, same_dtype, expected):
+    """Autograd sums where its gradient already is in the reduce dtype, and where a parameter may hold a gradient
+    of another dtype (torch 2.15) after one conversion; otherwise an owned accumulator (older torch casting,
+    MindSpore whose autograd keeps nothing)."""
+    from dataclasses import replace
+
     from fullshard.plan import MINDSPORE_RUNTIME, TORCH_RUNTIME, Accumulation, plan_accumulation
 
-    facts = TORCH_RUNTIME if runtime == "torch" else MINDSPORE_RUNTIME
+    facts = {"torch": TORCH_RUNTIME, "torch 2.15": replace(TORCH_RUNTIME, grads_in_any_dtype=True),
+             "mindspore": MINDSPORE_RUNTIME}[runtime]
     assert plan_accumulation(same_dtype, facts) is Accumulation[expected]
 
 

@@ -751,3 +751,132 @@ def manual_finalization_after_hsdp_partial_sums_matches_the_reference():
     with _expect("requires all-reduce|does not support partial gradient reductions"):
         model.finalize_backward()
     return True
+
+
+# ---------------------------------------------------------------------------------------------- pending gradients
+class _TwoLinear(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.first, self.second = nn.Linear(4, 4, bias=False), nn.Linear(4, 4, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.first(x) + self.second(x)
+
+
+def _pending_grads(shard_api, mp_policy) -> tuple[list, list, int]:
+    """Two backwards without sync (the first block's pending gradient cleared by the user after the first), then
+    one with: after each, what the modules show (the gradients, while not synced, and on torch 2.15 the dtype the
+    shown parameters hold gradients in); the reduced gradients; the most bytes fullshard held in accumulators of
+    its own meanwhile."""
+    torch.manual_seed(0)
+    model = _TwoLinear()
+    mesh, rank = mesh_1d(), dist.get_rank()
+    shard_api.fully_shard([model.first, model.second], mesh=mesh, reshard_after_forward=False, mp_policy=mp_policy)
+    shard_api.fully_shard(model, mesh=mesh, mp_policy=mp_policy)
+    model.set_reshard_after_backward(False)
+    shown, held, kept = [], 0, []
+    for step, (sync, value) in enumerate(((False, 2.0), (False, 3.0), (True, 1.0))):
+        model.set_requires_gradient_sync(sync)
+        model(torch.full((1, 4), value * (rank + 1))).sum().backward()
+        held = max(held, collectives.comm_bytes()["main_grad_live"])
+        grads = [p.grad for p in model.parameters()]
+        shown.append({"grad_dtype": [str(getattr(p, "grad_dtype", "-")) for p in model.parameters()]})
+        if not sync:
+            shown[-1]["grads"] = [None if g is None else (str(g.dtype), g.float().tolist()) for g in grads]
+            kept.append(grads)
+        if step == 0:
+            model.first.zero_grad(set_to_none=True)
+    if kept[0][1] is not None:  # the later backward summed into the gradient the module showed: the same tensor
+        assert kept[1][1] is kept[0][1], "the second backward replaced the pending gradient instead of summing into it"
+    model.first.reshard()
+    return shown, [p.grad.full_tensor().float().tolist() for p in model.parameters()], held
+
+
+@scenario
+def pending_gradients_are_where_the_installed_fsdp2_leaves_them():
+    """Between backwards without sync, each module shows the pending (unreduced) gradient where torch's own FSDP2
+    does, in the same dtype, and a user clearing it clears it from the reduction: on torch 2.15 always (in the
+    reduce dtype, summed by autograd: fullshard holds no accumulator), on 2.13/2.14 only where it is already in
+    the reduce dtype (otherwise both keep it apart, and the clearing misses it). FSDP2 side by side, and the
+    values worked out by hand: x = value * (rank + 1), the mean over 2 ranks."""
+    rank = dist.get_rank()
+    cases = {
+        "compute bf16, reduce fp32": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32),
+        "compute fp32, reduce bf16": MixedPrecisionPolicy(reduce_dtype=torch.bfloat16),
+        "compute bf16, reduce default": MixedPrecisionPolicy(param_dtype=torch.bfloat16),
+    }
+    shown_by = {}
+    for case, policy in cases.items():
+        theirs = torch_fsdp.MixedPrecisionPolicy(param_dtype=policy.param_dtype, reduce_dtype=policy.reduce_dtype)
+        expected_shown, expected_reduced, _ = _pending_grads(torch_fsdp, theirs)
+        shown, reduced, held = _pending_grads(fullshard, policy)
+        assert shown == expected_shown, (case, shown, expected_shown)
+        assert reduced == expected_reduced, (case, reduced, expected_reduced)
+        visible = shown[1]["grads"][1] is not None
+        # on 2.15 every case shows it; before, only a gradient already in the reduce dtype (bf16 by default)
+        assert visible == (TORCH_PROMOTES_REDUCE_DTYPE or case == "compute bf16, reduce default"), case
+        first_value = 4.0 if visible else 6.0  # 3 + 1 where the user could clear step 0's pending 2, or 2 + 3 + 1
+        assert reduced == [[[first_value * 1.5] * 4] * 4, [[6.0 * 1.5] * 4] * 4], (case, reduced)
+        if visible:
+            pending = shown[1]["grads"]
+            assert [values for _, values in pending] == [[[3.0 * (rank + 1)] * 4] * 4, [[5.0 * (rank + 1)] * 4] * 4]
+            reduce_dtype = policy.reduce_dtype or (torch.float32 if TORCH_PROMOTES_REDUCE_DTYPE else torch.bfloat16)
+            assert {dtype for dtype, _ in pending} == {str(reduce_dtype)}, (case, pending)
+            assert held == 0, (case, "autograd sums the pending gradients: fullshard holds no accumulator")
+        else:
+            assert held > 0, (case, "an accumulator of fullshard's own holds the hidden pending gradients")
+        shown_by[case] = visible
+    return shown_by
+
+
+@scenario
+def a_synced_backward_gives_gradients_in_the_compute_dtype():
+    """torch 2.15, bf16 compute reducing in fp32: a backward that reduces hands fullshard autograd's bf16
+    gradients (packed into the fp32 reduction, with no fp32 copy of each first), and the shown parameters hold
+    fp32 between backwards, as FSDP2 2.15; a backward that only accumulates sums in fp32."""
+    if not TORCH_PROMOTES_REDUCE_DTYPE:
+        return "skipped: the installed torch has no gradient dtype policies"
+    torch.manual_seed(0)
+    model = _TwoLinear()
+    fully_shard(model, mesh=mesh_1d(), reshard_after_forward=False,
+                mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32))
+    model.set_reshard_after_backward(False)
+    arrived = []
+    model(torch.ones(1, 4))  # leaves the modules showing the unsharded parameters, which autograd sums into
+    hooks = [p.register_post_accumulate_grad_hook(lambda p: arrived.append(p.grad.dtype)) for p in model.parameters()]
+    for sync in (True, False, False, True):
+        model.set_requires_gradient_sync(sync)
+        model(torch.ones(1, 4)).sum().backward()
+        assert {p.grad_dtype for p in model.parameters()} == {torch.float32}
+    for hook in hooks:
+        hook.remove()
+    assert arrived == [torch.bfloat16] * 2 + [torch.float32] * 6, arrived
+    return [str(d) for d in arrived]
+
+
+@scenario
+def a_no_op_conversion_keeps_the_pending_gradient():
+    """``model.to(device)`` to where the model already is, between backwards without sync, re-wraps the shards'
+    storage without changing it: nothing is re-adopted (the shard keeps its bytes), the pending gradient stays
+    the one the module showed, and the next synced backward reduces both backwards' sum (by hand: 2 + 1 times
+    rank + 1, the mean over 2 ranks)."""
+    rank = dist.get_rank()
+    model = nn.Linear(4, 4, bias=False)
+    fully_shard(model, mesh=mesh_1d(),
+                mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16))
+    sharded, address = model.weight, model.weight.to_local().data_ptr()
+    model.set_requires_gradient_sync(False)
+    model(torch.full((1, 4), 2.0 * (rank + 1))).sum().backward()
+    model.unshard()
+    pending = model.weight.grad
+    model.reshard()
+    model.to(device="cpu")
+    assert model.weight is sharded and sharded.to_local().data_ptr() == address, "the shard was re-adopted"
+    model.unshard()
+    assert model.weight.grad is pending, "the no-op conversion lost the pending gradient"
+    model.reshard()
+    model.set_requires_gradient_sync(True)
+    model(torch.full((1, 4), 1.0 * (rank + 1))).sum().backward()
+    reduced = model.weight.grad.full_tensor()
+    assert torch.equal(reduced, torch.full((4, 4), 3.0 * 1.5)), reduced
+    return reduced.tolist()
