@@ -104,6 +104,9 @@ class Group:
     def before_backward(self) -> None:
         """A backward is about to give this group's parameters gradients (a runtime may choose their dtype)."""
 
+    def after_backward_pass(self) -> None:
+        """This unit's backward for one forward is done (its reduction started, if it reduces)."""
+
     def has_pending_grads(self) -> bool:
         """Gradients arrived or accumulate since the last reduction."""
         raise NotImplementedError

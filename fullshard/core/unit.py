@@ -273,6 +273,7 @@ class Unit:
                 and not self.reduces_at_end_of_backward:
             self.root.start_reduce(self)
         for group in self.groups:
+            group.after_backward_pass()
             if group.after_backward is AfterBackward.RESHARD:
                 with self.profiled("reshard"):
                     group.reshard()

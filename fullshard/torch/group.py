@@ -31,7 +31,7 @@ from fullshard.torch.collectives import Kind, Owned
 from fullshard.torch.errors import NotMaterializedError
 from fullshard.torch.extensions import ExtensionState, gather_extended
 from fullshard.torch.param import ShardedParam, dtype_name, is_plain
-from fullshard.torch.policies import TORCH_PROMOTES_REDUCE_DTYPE, TORCH_RUNTIME_FACTS
+from fullshard.torch.policies import TORCH_PROMOTES_REDUCE_DTYPE, TORCH_RUNTIME_FACTS, capture_grad_dtype_policy
 
 
 class ParamGroup(Group):
@@ -89,6 +89,7 @@ class ParamGroup(Group):
         self.all_reduce_hook_stream = None  # where the hook runs (None: the current stream)
         # Called after every accumulated gradient (the unit makes sure its root's end of backward will come).
         self.on_grad: Optional[Callable[[], None]] = None
+        self._policies_read = False  # the parameters' grad_dtype policies, read again at the first forward
 
     @property
     def reduce_grads(self) -> bool:
@@ -104,11 +105,10 @@ class ParamGroup(Group):
     def _plan(self, module_name: str) -> None:
         """Plan afresh (first, or parameters replaced, custom collectives set): unsharded tensors are rebuilt."""
         for param in self.params:
-            if param.unsharded is not None and param.unsharded.grad is not None:
-                # Planned afresh between micro-batches without sync (a parameter frozen or unfrozen, converted,
-                # replaced): what autograd accumulated on the unsharded tensor, which is rebuilt, is kept in an
-                # owned accumulator and reduced with the next gradients instead of being lost.
-                param.accumulate_grad_in(param.unsharded.grad.dtype, f"gradient accumulator of '{param.fqn}'")
+            # Planned afresh between micro-batches without sync (a parameter frozen or unfrozen, converted,
+            # replaced): what autograd accumulated on the unsharded tensor, which is rebuilt, goes to the new one
+            # (or, where that cannot hold it, to an owned accumulator) and is reduced with the next gradients.
+            param.carry_grad()
             param.unsharded = param.unsharded_storage = None
         for handle in getattr(self, "_hooks", ()):
             handle.remove()
@@ -165,6 +165,10 @@ class ParamGroup(Group):
     def refresh(self) -> None:
         """At a root forward: follow replaced parameters; parameters still on the meta device would be trained
         as garbage, so they are named (FSDP2's words)."""
+        if not self._policies_read:  # as FSDP2 2.15's lazy init: a grad_dtype set after fully_shard counts
+            self._policies_read = True
+            if any([capture_grad_dtype_policy(p) for p in self.params]):
+                self.replan()
         self.follow_replaced_params()
         meta = [p.fqn for p in self.params if p.sharded.device.type == "meta"]
         if meta:
@@ -377,7 +381,7 @@ class ParamGroup(Group):
         if not self.reduce_grads:  # accumulating without sync: sum in the reduce dtype (e.g. fp32 for bf16 compute)
             accumulation = self.plan.accumulations[index]
             if accumulation is Accumulation.OWNED:
-                param.accumulate_grad_in(self.reduce_dtype(index), f"gradient accumulator of '{param.fqn}'")
+                param.accumulate_grad_in(self.reduce_dtype(index))
             elif accumulation is Accumulation.CONVERTED_IN_AUTOGRAD:
                 param.hold_grad()
         if self.on_grad is not None:
@@ -387,6 +391,10 @@ class ParamGroup(Group):
         for param in self.params:
             if param.requires_grad:
                 param.before_backward(self.reduce_grads)
+
+    def after_backward_pass(self) -> None:
+        for param in self.params:
+            param.after_backward()
 
     def has_pending_grads(self) -> bool:
         """Some gradient arrived since the last reduction (read off the parameters, not tracked)."""

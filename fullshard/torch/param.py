@@ -247,6 +247,9 @@ class ShardedParam:
         # (a wider one: each gradient cast only when packed for the reduction, no wider copy of it first)
         self.held_grad_dtype: Optional[torch.dtype] = None
         self.defers_widening = False
+        # The pending gradient of an unsharded parameter the group's new plan rebuilds (a parameter frozen or
+        # converted between micro-batches without sync), for the next one to hold (``carry_grad``).
+        self.carried_grad: Optional[torch.Tensor] = None
         with torch.no_grad():
             full = param._local_tensor.detach() if isinstance(param, DTensor) else param.detach()
             if full.device != self.storage_device and full.device.type != "meta":
@@ -428,6 +431,8 @@ class ShardedParam:
             data = DTensor(data, self.spec.unsharded_spec(data.dtype), requires_grad=False)
         self.unsharded = nn.Parameter(data, requires_grad=self.requires_grad)
         self._hold_grad_dtype()
+        if self.carried_grad is not None:
+            self._take_carried_grad()
         return self.unsharded
 
     def local_grad(self, grad: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
@@ -476,12 +481,14 @@ class ShardedParam:
             hook(self.sharded)
 
     def has_unreduced_grad(self) -> bool:
-        return (self.unsharded is not None and self.unsharded.grad is not None) or self.grad_accumulator is not None
+        return (self.unsharded is not None and self.unsharded.grad is not None) or self.grad_accumulator is not None \
+            or self.carried_grad is not None
 
     def drop_grads(self, reduced: bool = True) -> None:
         """Forget every gradient of this step: unreduced, accumulated and (``reduced``) reduced."""
         if self.unsharded is not None:
             self.unsharded.grad = None
+        self.carried_grad = None
         self._hold_grad_dtype()
         if self.grad_accumulator is not None:
             self.grad_accumulator.reclaim()
@@ -494,6 +501,8 @@ class ShardedParam:
         grad = None
         if self.unsharded is not None:
             grad, self.unsharded.grad = self.local_grad(self.unsharded.grad), None
+        if self.carried_grad is not None:  # planned afresh, and not gathered since
+            grad, self.carried_grad = self.local_grad(self.carried_grad), None
         self._hold_grad_dtype()
         if self.grad_accumulator is not None:
             if grad is not None:
@@ -503,23 +512,48 @@ class ShardedParam:
             grad, self.grad_accumulator = self.grad_accumulator.hand_off(), None
         return grad
 
-    def accumulate_grad_in(self, dtype: torch.dtype, label: str) -> None:
+    def accumulate_grad_in(self, dtype: torch.dtype) -> None:
         """Move autograd's gradient into an owned accumulator of ``dtype`` (accumulation without sync)."""
         grad, self.unsharded.grad = self.local_grad(self.unsharded.grad), None
+        self._accumulate(grad, dtype)
+
+    def _accumulate(self, grad: Optional[torch.Tensor], dtype: torch.dtype) -> None:
         if grad is None:
             return
+        label = f"gradient accumulator of '{self.fqn}'"
         if self.grad_accumulator is None:
             self.grad_accumulator = collectives.copy_of(grad, dtype, grad.device, label, Kind.MAIN_GRAD)
             return
         with torch.no_grad():
             self.grad_accumulator.writable("accumulate a gradient").add_(grad)
 
+    def carry_grad(self) -> None:
+        """The unsharded parameter is about to be rebuilt (the group is planned afresh): its pending gradient goes
+        to the next one, which the user's code then sees, clears or edits as before."""
+        if self.unsharded is not None and self.unsharded.grad is not None:
+            self.carried_grad, self.unsharded.grad = self.unsharded.grad, None
+
+    def _take_carried_grad(self) -> None:
+        grad, self.carried_grad = self.carried_grad, None
+        try:
+            self.unsharded.grad = grad
+        except RuntimeError:  # torch refuses it (converted since: another dtype or device): kept apart, in its dtype
+            self._accumulate(self.local_grad(grad), grad.dtype)
+
     # ------------------------------------------------------------------ gradients held in another dtype (2.15)
     def _hold_grad_dtype(self) -> None:
-        """The unsharded parameter's gradient is held in ``held_grad_dtype`` (set when it is made, and again once
-        its gradient was taken or dropped): autograd casts each gradient to it before summing."""
-        if self.held_grad_dtype is not None and self.unsharded is not None and self.unsharded.grad is None:
+        """The unsharded parameter's gradient is held in ``held_grad_dtype`` (set when it is made, once its gradient
+        was taken or dropped, and after each backward, as FSDP2 2.15 does): autograd casts each gradient to it
+        before summing. A gradient still in autograd's dtype (its reduction comes at the end of backward) keeps
+        the parameter as it is until then."""
+        if self.held_grad_dtype is None or self.unsharded is None:
+            return
+        grad = self.unsharded.grad
+        if grad is None or grad.dtype == self.held_grad_dtype:
             self.unsharded.grad_dtype = self.held_grad_dtype
+
+    def after_backward(self) -> None:
+        self._hold_grad_dtype()
 
     def before_backward(self, reducing: bool) -> None:
         """A backward reaches the parameter: one that reduces, or that sums into a held gradient, lets autograd

@@ -880,3 +880,82 @@ def a_no_op_conversion_keeps_the_pending_gradient():
     reduced = model.weight.grad.full_tensor()
     assert torch.equal(reduced, torch.full((4, 4), 3.0 * 1.5)), reduced
     return reduced.tolist()
+
+
+class _Chain(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4, bias=False), nn.Linear(4, 4, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(self.a(x))
+
+
+def _frozen_between_micro_batches(shard_api, mp_policy, clear: bool) -> dict:
+    """No sync, freeze ``a``, no sync (the user may clear everything pending), unfreeze, sync: what the module
+    shows after each backward without sync, and the reduced gradients."""
+    torch.manual_seed(0)
+    model, rank = _Chain(), dist.get_rank()
+    shard_api.fully_shard(model, mesh=mesh_1d(), mp_policy=mp_policy)
+    record: dict = {"shown": []}
+    for step, (sync, frozen) in enumerate(((False, False), (False, True), (True, False))):
+        model.a.weight.requires_grad_(not frozen)
+        model.set_requires_gradient_sync(sync)
+        model(torch.full((1, 4), (step + 1.0) * (rank + 1))).sum().backward()
+        if not sync:
+            model.unshard()
+            record["shown"].append([(None if p.grad is None else (str(p.grad.dtype), p.grad.float().tolist()),
+                                     str(getattr(p, "grad_dtype", "-"))) for p in model.parameters()])
+            if clear and step == 1:
+                model.zero_grad(set_to_none=True)
+            model.reshard()
+    record["reduced"] = [p.grad.full_tensor().float().tolist() for p in model.parameters()]
+    return record
+
+
+@scenario
+def a_parameter_frozen_between_micro_batches_keeps_the_pending_gradients():
+    """Freezing a parameter between backwards without sync plans its unit afresh (the buckets split by
+    trainability) and rebuilds the unsharded parameters: their pending gradients go to the new ones, so the module
+    shows them and a user's zero_grad clears them as in FSDP2, side by side (they went into an accumulator of
+    fullshard's own, out of the user's reach, and a cleared step was still reduced). The frozen parameter's
+    unsharded grad_dtype is the reduce dtype again after the backward that gave it no gradient (torch 2.15)."""
+    cases = {"bf16 compute, fp32 reduce": (torch.bfloat16, torch.float32),
+             "bf16 compute, bf16 reduce": (torch.bfloat16, torch.bfloat16), "fp32": (None, None)}
+    cleared = {}
+    for case, (param_dtype, reduce_dtype) in cases.items():
+        for clear in (False, True):
+            theirs = _frozen_between_micro_batches(
+                torch_fsdp, torch_fsdp.MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype), clear)
+            ours = _frozen_between_micro_batches(
+                fullshard, MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype), clear)
+            assert ours == theirs, (case, clear, ours, theirs)
+        visible = ours["shown"][1][0][0] is not None
+        assert visible == (TORCH_PROMOTES_REDUCE_DTYPE or param_dtype == reduce_dtype), (case, ours["shown"])
+        cleared[case] = visible
+    return cleared
+
+
+def _grad_dtype_after_fully_shard(shard_api) -> list:
+    torch.manual_seed(0)
+    model, rank = _Chain().to(torch.bfloat16), dist.get_rank()
+    shard_api.fully_shard(model, mesh=mesh_1d())
+    for p in model.parameters():
+        p.grad_dtype = torch.float32
+    for step, sync in enumerate((False, True)):
+        model.set_requires_gradient_sync(sync)
+        model(torch.full((1, 4), step + 1.0 + rank, dtype=torch.bfloat16)).float().pow(2).mean().backward()
+    return [(str(p.grad.dtype), p.grad.full_tensor().tolist()) for p in model.parameters()]
+
+
+@scenario
+def grad_dtype_set_after_fully_shard_counts_from_the_first_forward():
+    """torch 2.15: a grad_dtype set on the sharded parameters after fully_shard, before the first forward, is their
+    policy from then on, as FSDP2 2.15 reads it at its lazy init (fullshard read it only at a conversion, and the
+    reduced bf16 gradient met a parameter wanting fp32: a RuntimeError at the synced backward)."""
+    if not TORCH_PROMOTES_REDUCE_DTYPE:
+        return "skipped: the installed torch has no gradient dtype policies"
+    ours, theirs = _grad_dtype_after_fully_shard(fullshard), _grad_dtype_after_fully_shard(torch_fsdp)
+    assert ours == theirs, (ours, theirs)
+    assert {dtype for dtype, _ in ours} == {"torch.float32"}, ours
+    return ours

@@ -352,8 +352,8 @@ def _collective_bf16():  # the pairwise exchange packs into its output instead: 
     return {**_bf16_compute(), "exchange": "collective"}
 
 
-def _freeze_first_weight(model: nn.Module) -> None:
-    model.layers[0].weight.requires_grad_(False)
+def _to_bf16(model: nn.Module) -> None:
+    model.to(torch.bfloat16)
 
 
 # site (the start of the buffer's ``what``) -> how to reach it: fully_shard arguments (and the exchange),
@@ -366,9 +366,10 @@ SITES = {
     "reduce-scatter input of": (lambda: {}, 1),  # padded gradients are packed
     "reduce-scatter output of": (lambda: {}, 1),
     "bfloat16 copy of replica": (lambda: {**_bf16_compute(), "strategy": "no_shard"}, 1),
-    # bf16 gradients summed in fp32 while sync is off (torch 2.13/2.14; 2.15 sums them in autograd), and on any
-    # torch the pending gradients a parameter frozen between micro-batches leaves when its group is planned afresh
-    "gradient accumulator of": (_bf16_compute, 2, _freeze_first_weight),
+    # on any torch: fp32 gradients pending when the model is converted to bf16 between micro-batches (the new
+    # bf16 unsharded parameters cannot hold them); on 2.13/2.14 also bf16 gradients summed in fp32 while sync
+    # is off (2.15 sums those in autograd)
+    "gradient accumulator of": (lambda: {}, 2, _to_bf16),
     "sharded gradient of": (lambda: {"shard_placement_fn": lambda p: Shard(p.dim() - 1)}, 1),  # copied out
 }
 FOUR_RANK_SITES = {
@@ -414,7 +415,8 @@ def _caught_at(site: str, wrap_kwargs, micro_batches: int, after_first=None):
                 for index in range(micro_batches):
                     model.set_requires_gradient_sync(index == micro_batches - 1)
                     part = slice((rank * micro_batches + index) * 2, (rank * micro_batches + index + 1) * 2)
-                    _mse(model, (x[part], y[part])).backward()
+                    dtype = next(model.parameters()).dtype  # a conversion after the first changes it
+                    _mse(model, (x[part].to(dtype), y[part].to(dtype))).backward()
                     if index == 0 and after_first is not None:
                         after_first(model)
             except collectives.OwnershipError as error:
