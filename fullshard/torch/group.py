@@ -122,8 +122,6 @@ class ParamGroup(Group):
         self.plan = GroupPlan(self.params, [p.facts for p in self.params], module_name, "module", reduce_dtype,
                               DEFAULT_FUSE_BELOW_NUMEL, collectives, TORCH, TORCH_RUNTIME_FACTS,
                               promote_grad_dtypes=TORCH_PROMOTES_REDUCE_DTYPE)
-        # Outputs of lone all-gathers: the unsharded parameter is a view of them, so they live as long as the
-        # plan and are reclaimed on reshard.
         for index, param in enumerate(self.params):
             converted = self.plan.accumulations[index] is Accumulation.CONVERTED_IN_AUTOGRAD
             param.held_grad_dtype = self.reduce_dtype(index) if converted else None
@@ -131,6 +129,8 @@ class ParamGroup(Group):
             # parameter's gradient, which may be summed over its own mesh first, in whatever dtype it has.
             param.defers_widening = converted and param.spec.unsharded is None and \
                 self.reduce_dtype(index).itemsize > param.compute_dtype.itemsize
+        # Outputs of lone all-gathers: the unsharded parameter is a view of them, so they live as long as the
+        # plan and are reclaimed on reshard.
         self._view_outputs: list[Optional[Owned]] = [None] * len(self.plan.buckets)
         self._extensions: dict[int, ExtensionState] = {}  # bucket index -> what an extended parameter keeps
 
@@ -394,7 +394,7 @@ class ParamGroup(Group):
 
     def after_backward_pass(self) -> None:
         for param in self.params:
-            param.after_backward()
+            param.hold_grad_dtype()
 
     def has_pending_grads(self) -> bool:
         """Some gradient arrived since the last reduction (read off the parameters, not tracked)."""

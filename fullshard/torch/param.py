@@ -242,23 +242,22 @@ class ShardedParam:
         # Gradients summed across backward passes without sync, in the reduce dtype
         # when it differs from the compute dtype (owned; see accumulate_grad_in).
         self.grad_accumulator: Optional[Owned] = None
-        # torch 2.15 (``Accumulation.CONVERTED_IN_AUTOGRAD``): the dtype the unsharded parameter's gradient is held
-        # in (its grad_dtype), and whether a backward that reduces leaves it to autograd's own dtype meanwhile
-        # (a wider one: each gradient cast only when packed for the reduction, no wider copy of it first)
+        # torch 2.15: the dtype the unsharded gradient is held in, and whether a reducing backward defers it
+        # (the group sets both with its plan: ``hold_grad_dtype``, ``before_backward``)
         self.held_grad_dtype: Optional[torch.dtype] = None
         self.defers_widening = False
-        # The pending gradient of an unsharded parameter the group's new plan rebuilds (a parameter frozen or
-        # converted between micro-batches without sync), for the next one to hold (``carry_grad``).
-        self.carried_grad: Optional[torch.Tensor] = None
-        with torch.no_grad():
-            full = param._local_tensor.detach() if isinstance(param, DTensor) else param.detach()
-            if full.device != self.storage_device and full.device.type != "meta":
-                full = full.to(self.storage_device)
-            full = full.to(self.stored_dtype)
-            local = self._local_from_full(full)
-        self._install_sharded(local)
+        self.carried_grad: Optional[torch.Tensor] = None  # pending across a replan (``carry_grad``)
+        self._install_sharded(self._stored_local(param))
 
     # ------------------------------------------------------------------ sharded side
+    @torch.no_grad()
+    def _stored_local(self, param: nn.Parameter) -> torch.Tensor:
+        """This rank's shard of the (full) parameter, in storage of fullshard's, on the storage device and dtype."""
+        full = param._local_tensor.detach() if isinstance(param, DTensor) else param.detach()
+        if full.device != self.storage_device and full.device.type != "meta":
+            full = full.to(self.storage_device)
+        return self._local_from_full(full.to(self.stored_dtype))
+
     def _local_from_full(self, full: torch.Tensor) -> torch.Tensor:
         layout, rank = self.layout, self.rank
         chunk = full.narrow(layout.dim, layout.local_offset(rank), layout.local_length(rank))
@@ -430,7 +429,7 @@ class ShardedParam:
         if self.spec.unsharded is not None:
             data = DTensor(data, self.spec.unsharded_spec(data.dtype), requires_grad=False)
         self.unsharded = nn.Parameter(data, requires_grad=self.requires_grad)
-        self._hold_grad_dtype()
+        self.hold_grad_dtype()
         if self.carried_grad is not None:
             self._take_carried_grad()
         return self.unsharded
@@ -489,7 +488,7 @@ class ShardedParam:
         if self.unsharded is not None:
             self.unsharded.grad = None
         self.carried_grad = None
-        self._hold_grad_dtype()
+        self.hold_grad_dtype()
         if self.grad_accumulator is not None:
             self.grad_accumulator.reclaim()
             self.grad_accumulator = None
@@ -503,7 +502,7 @@ class ShardedParam:
             grad, self.unsharded.grad = self.local_grad(self.unsharded.grad), None
         if self.carried_grad is not None:  # planned afresh, and not gathered since
             grad, self.carried_grad = self.local_grad(self.carried_grad), None
-        self._hold_grad_dtype()
+        self.hold_grad_dtype()
         if self.grad_accumulator is not None:
             if grad is not None:
                 with torch.no_grad():
@@ -541,7 +540,7 @@ class ShardedParam:
             self._accumulate(self.local_grad(grad), grad.dtype)
 
     # ------------------------------------------------------------------ gradients held in another dtype (2.15)
-    def _hold_grad_dtype(self) -> None:
+    def hold_grad_dtype(self) -> None:
         """The unsharded parameter's gradient is held in ``held_grad_dtype`` (set when it is made, once its gradient
         was taken or dropped, and after each backward, as FSDP2 2.15 does): autograd casts each gradient to it
         before summing. A gradient still in autograd's dtype (its reduction comes at the end of backward) keeps
@@ -551,9 +550,6 @@ class ShardedParam:
         grad = self.unsharded.grad
         if grad is None or grad.dtype == self.held_grad_dtype:
             self.unsharded.grad_dtype = self.held_grad_dtype
-
-    def after_backward(self) -> None:
-        self._hold_grad_dtype()
 
     def before_backward(self, reducing: bool) -> None:
         """A backward reaches the parameter: one that reduces, or that sums into a held gradient, lets autograd
