@@ -5,6 +5,10 @@ Messages keep FSDP2's wording as their first sentence, then say what fullshard f
 """
 from __future__ import annotations
 
+from typing import Any
+
+from torch.distributed.tensor import DTensor
+
 
 class AppliedTwiceError(ValueError, AssertionError):
     """fully_shard on a module that already has it (FSDP2: AssertionError)."""
@@ -24,3 +28,19 @@ class MeshError(ValueError, AssertionError):
 
 class NotMaterializedError(RuntimeError):
     """Parameters still on the meta device at the first forward (FSDP2: RuntimeError)."""
+
+
+def check_replacement(current: Any, fqn: str, shape: Any, placements: tuple) -> None:
+    """A parameter replaced after fully_shard (``to_empty``, ``load_state_dict(assign=True)``) must stay a DTensor
+    of its shape, placed as fully_shard placed it."""
+    if not isinstance(current, DTensor) or current.shape != shape:
+        raise RuntimeError(
+            f"parameter '{fqn}' was replaced by a {type(current).__name__} of shape "
+            f"{tuple(getattr(current, 'shape', ()))}; after fully_shard it must stay a DTensor "
+            f"of shape {tuple(shape)} sharded like the original. Load full tensors with "
+            "load_state_dict (without assign=True) instead."
+        )
+    if tuple(current.placements) != placements:
+        raise RuntimeError(
+            f"parameter '{fqn}' was replaced by a DTensor placed {current.placements}; fully_shard placed it {placements}"
+        )

@@ -26,6 +26,7 @@ from fullshard.plan import Accumulation, Ownership, ReduceFacts, ReducePlan, Sha
 from fullshard.plan.exchange import EXCHANGE_ENV, TORCH, Collectives, Exchange, choose_exchange
 from fullshard.plan.group import DEFAULT_FUSE_BELOW_NUMEL, AfterBackward, GroupPlan
 from fullshard.torch import checks, collectives
+from fullshard.torch.accumulation import accumulate_grad_in, carry_grad, hold_grad, take_carried_grad
 from fullshard.torch.buckets import SoloCounts, all_reduce_in_place, gather_bucket, pack_rank_chunks, reduce_bucket
 from fullshard.torch.collectives import Kind, Owned
 from fullshard.torch.errors import NotMaterializedError
@@ -105,10 +106,10 @@ class ParamGroup(Group):
     def _plan(self, module_name: str) -> None:
         """Plan afresh (first, or parameters replaced, custom collectives set): unsharded tensors are rebuilt."""
         for param in self.params:
-            # Planned afresh between micro-batches without sync (a parameter frozen or unfrozen, converted,
-            # replaced): what autograd accumulated on the unsharded tensor, which is rebuilt, goes to the new one
-            # (or, where that cannot hold it, to an owned accumulator) and is reduced with the next gradients.
-            param.carry_grad()
+            # Planned afresh between micro-batches without sync (a parameter frozen, converted, replaced): what
+            # autograd accumulated on the unsharded tensor, which is rebuilt, goes to the new one (accumulation.py).
+            if param.unsharded is not None and param.unsharded.grad is not None:
+                carry_grad(param)
             param.unsharded = param.unsharded_storage = None
         for handle in getattr(self, "_hooks", ()):
             handle.remove()
@@ -167,7 +168,8 @@ class ParamGroup(Group):
         as garbage, so they are named (FSDP2's words)."""
         if not self._policies_read:  # as FSDP2 2.15's lazy init: a grad_dtype set after fully_shard counts
             self._policies_read = True
-            if any([capture_grad_dtype_policy(p) for p in self.params]):
+            if TORCH_PROMOTES_REDUCE_DTYPE and any(p.sharded._has_grad_dtype_override for p in self.params) \
+                    and any([capture_grad_dtype_policy(p) for p in self.params]):
                 self.replan()
         self.follow_replaced_params()
         meta = [p.fqn for p in self.params if p.sharded.device.type == "meta"]
@@ -267,6 +269,8 @@ class ParamGroup(Group):
 
     def _make_unsharded(self, param: ShardedParam, data: torch.Tensor) -> None:
         param.make_unsharded(data)
+        if param.carried_grad is not None:
+            take_carried_grad(param)
         if param.requires_grad:
             # The hook lives in C++ on the tensor, out of reach of Python's cycle collector: a strong
             # reference back to the group would keep the whole model alive forever once it is dropped.
@@ -379,11 +383,10 @@ class ParamGroup(Group):
         if checks.finite:
             checks.inspect(param.fqn, param.local_grad(param.unsharded.grad))
         if not self.reduce_grads:  # accumulating without sync: sum in the reduce dtype (e.g. fp32 for bf16 compute)
-            accumulation = self.plan.accumulations[index]
-            if accumulation is Accumulation.OWNED:
-                param.accumulate_grad_in(self.reduce_dtype(index))
-            elif accumulation is Accumulation.CONVERTED_IN_AUTOGRAD:
-                param.hold_grad()
+            if self.plan.accumulations[index] is Accumulation.OWNED:
+                accumulate_grad_in(param, self.reduce_dtype(index))
+            elif self.plan.accumulations[index] is Accumulation.CONVERTED_IN_AUTOGRAD:
+                hold_grad(param)
         if self.on_grad is not None:
             self.on_grad()
 

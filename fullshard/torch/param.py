@@ -33,33 +33,12 @@ from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distr
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from fullshard.torch import collectives
-from fullshard.torch.collectives import DataParallelMesh, Kind, Owned
-from fullshard.torch.policies import TORCH_PROMOTES_REDUCE_DTYPE
+from fullshard.torch.collectives import DataParallelMesh, Owned
+from fullshard.torch.errors import check_replacement
+from fullshard.torch.policies import RELEASE_HOOK, TORCH_PROMOTES_REDUCE_DTYPE, releases_gather_outputs
 from fullshard.plan import ShardLayout, stores_padded_chunk
 from fullshard.plan.group import ParamFacts
 
-
-
-RELEASE_HOOK = "fsdp_should_release_all_gather_outputs_after_post_all_gather"
-
-
-def _releases_gather_outputs(local: torch.Tensor) -> bool:
-    """FSDP2 2.15's optional third extension hook: True declares that what ``fsdp_post_all_gather`` builds does
-    not view the raw gather outputs, so fullshard may free them as soon as it has run (``extensions.py``). It is
-    the user's tensor's method, not torch's, so it is honoured whatever torch is installed."""
-    hook = getattr(local, RELEASE_HOOK, None)
-    if hook is None:
-        return False
-    # FSDP2's exception types and words, which users may match on.
-    if not hasattr(local, "fsdp_post_all_gather"):
-        raise AssertionError(
-            f"{RELEASE_HOOK} requires fsdp_pre_all_gather and fsdp_post_all_gather to be defined: {local}"
-        )
-    release = hook()
-    if not isinstance(release, bool):
-        raise AssertionError(f"{RELEASE_HOOK} must return a bool, got {type(release)}")
-    return release
 
 
 @dataclass(frozen=True)
@@ -333,18 +312,7 @@ class ShardedParam:
             return True
         if current is not None and current is self.unsharded:
             return False  # shown by an explicit unshard(); the sharded parameter is the one kept here
-        if not isinstance(current, DTensor) or current.shape != self.spec.shape:
-            raise RuntimeError(
-                f"parameter '{self.fqn}' was replaced by a {type(current).__name__} of shape "
-                f"{tuple(getattr(current, 'shape', ()))}; after fully_shard it must stay a DTensor "
-                f"of shape {tuple(self.spec.shape)} sharded like the original. Load full tensors with "
-                "load_state_dict (without assign=True) instead."
-            )
-        if tuple(current.placements) != self.placements:
-            raise RuntimeError(
-                f"parameter '{self.fqn}' was replaced by a DTensor placed {current.placements}; "
-                f"fully_shard placed it {self.placements}"
-            )
+        check_replacement(current, self.fqn, self.spec.shape, self.placements)
         self.requires_grad = current.requires_grad
         self.stored_dtype = current.dtype
         if self.param_dtype_policy is not None:
@@ -365,7 +333,8 @@ class ShardedParam:
         parameter is rebuilt or gains or loses extensions), not at every gather: what to do with the gather outputs
         must not change between the gathers of one step."""
         self.extended = self.extension is not None
-        self.release_gather_outputs = _releases_gather_outputs(self.sharded._local_tensor)
+        local = self.sharded._local_tensor
+        self.release_gather_outputs = hasattr(local, RELEASE_HOOK) and releases_gather_outputs(local)
 
     @property
     def extension(self) -> Optional[torch.Tensor]:
@@ -430,8 +399,6 @@ class ShardedParam:
             data = DTensor(data, self.spec.unsharded_spec(data.dtype), requires_grad=False)
         self.unsharded = nn.Parameter(data, requires_grad=self.requires_grad)
         self.hold_grad_dtype()
-        if self.carried_grad is not None:
-            self._take_carried_grad()
         return self.unsharded
 
     def local_grad(self, grad: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
@@ -511,34 +478,6 @@ class ShardedParam:
             grad, self.grad_accumulator = self.grad_accumulator.hand_off(), None
         return grad
 
-    def accumulate_grad_in(self, dtype: torch.dtype) -> None:
-        """Move autograd's gradient into an owned accumulator of ``dtype`` (accumulation without sync)."""
-        grad, self.unsharded.grad = self.local_grad(self.unsharded.grad), None
-        self._accumulate(grad, dtype)
-
-    def _accumulate(self, grad: Optional[torch.Tensor], dtype: torch.dtype) -> None:
-        if grad is None:
-            return
-        label = f"gradient accumulator of '{self.fqn}'"
-        if self.grad_accumulator is None:
-            self.grad_accumulator = collectives.copy_of(grad, dtype, grad.device, label, Kind.MAIN_GRAD)
-            return
-        with torch.no_grad():
-            self.grad_accumulator.writable("accumulate a gradient").add_(grad)
-
-    def carry_grad(self) -> None:
-        """The unsharded parameter is about to be rebuilt (the group is planned afresh): its pending gradient goes
-        to the next one, which the user's code then sees, clears or edits as before."""
-        if self.unsharded is not None and self.unsharded.grad is not None:
-            self.carried_grad, self.unsharded.grad = self.unsharded.grad, None
-
-    def _take_carried_grad(self) -> None:
-        grad, self.carried_grad = self.carried_grad, None
-        try:
-            self.unsharded.grad = grad
-        except RuntimeError:  # torch refuses it (converted since: another dtype or device): kept apart, in its dtype
-            self._accumulate(self.local_grad(grad), grad.dtype)
-
     # ------------------------------------------------------------------ gradients held in another dtype (2.15)
     def hold_grad_dtype(self) -> None:
         """The unsharded parameter's gradient is held in ``held_grad_dtype`` (set when it is made, once its gradient
@@ -556,18 +495,6 @@ class ShardedParam:
         give its own dtype (summed in place into a wider held one, or cast when packed for the reduction)."""
         if self.defers_widening and self.unsharded is not None and (reducing or self.unsharded.grad is not None):
             self.unsharded.grad_dtype = None
-
-    def hold_grad(self) -> None:
-        """A backward without sync gave the parameter its gradient: held in ``held_grad_dtype`` from here on (a
-        new tensor if autograd's was in its own dtype), for the next backwards to sum into. That tensor is
-        autograd's and the user's: fullshard reads it at the reduction and drops it, nothing more."""
-        grad = self.unsharded.grad
-        if grad is not None and grad.dtype != self.held_grad_dtype:
-            self.unsharded.grad = None  # torch refuses a grad_dtype the current gradient does not have
-            self.unsharded.grad_dtype = self.held_grad_dtype
-            self.unsharded.grad = grad.to(self.held_grad_dtype)
-        else:
-            self.unsharded.grad_dtype = self.held_grad_dtype
 
     def __repr__(self) -> str:
         return f"ShardedParam({self.fqn}, shape={self.layout.shape}, dim={self.layout.dim})"

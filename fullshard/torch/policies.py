@@ -132,3 +132,23 @@ def restore_explicit_grad(param, grad: torch.Tensor) -> None:
     """Give a gradient ``take_explicit_grad`` took back to the (maybe rebuilt) sharded parameter, which has its
     policy again: moved to the parameter's device, its dtype kept."""
     param.sharded.grad = grad.to(device=param.sharded.device).requires_grad_(grad.requires_grad)
+
+
+# ------------------------------------------------------------------ all-gather extensions' release policy (2.15)
+RELEASE_HOOK = "fsdp_should_release_all_gather_outputs_after_post_all_gather"
+
+
+def releases_gather_outputs(local: torch.Tensor) -> bool:
+    """FSDP2 2.15's optional third extension hook (the caller checked the tensor has it): True declares that what
+    ``fsdp_post_all_gather`` builds does not view the raw gather outputs, so fullshard may free them as soon as it
+    has run (``extensions.py``). It is the user's tensor's method, not torch's, so it is honoured whatever torch
+    is installed."""
+    # FSDP2's exception types and words, which users may match on.
+    if not hasattr(local, "fsdp_post_all_gather"):
+        raise AssertionError(
+            f"{RELEASE_HOOK} requires fsdp_pre_all_gather and fsdp_post_all_gather to be defined: {local}"
+        )
+    release = getattr(local, RELEASE_HOOK)()
+    if not isinstance(release, bool):
+        raise AssertionError(f"{RELEASE_HOOK} must return a bool, got {type(release)}")
+    return release
