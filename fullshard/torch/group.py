@@ -126,10 +126,10 @@ class ParamGroup(Group):
         for index, param in enumerate(self.params):
             converted = self.plan.accumulations[index] is Accumulation.CONVERTED_IN_AUTOGRAD
             param.held_grad_dtype = self.reduce_dtype(index) if converted else None
-            # As FSDP2 2.15: a wider dtype is taken on only while accumulating, except for a tensor-parallel
-            # parameter's gradient, which may be summed over its own mesh first, in whatever dtype it has.
+            # As FSDP2 2.15: widened only while accumulating, but for a tensor-parallel one (summed on its mesh first)
             param.defers_widening = converted and param.spec.unsharded is None and \
                 self.reduce_dtype(index).itemsize > param.compute_dtype.itemsize
+        self._held = [p for p in self.params if p.held_grad_dtype is not None]  # what backwards begin and end with
         # Outputs of lone all-gathers: the unsharded parameter is a view of them, so they live as long as the
         # plan and are reclaimed on reshard.
         self._view_outputs: list[Optional[Owned]] = [None] * len(self.plan.buckets)
@@ -391,12 +391,12 @@ class ParamGroup(Group):
             self.on_grad()
 
     def before_backward(self) -> None:
-        for param in self.params:
+        for param in self._held:
             if param.requires_grad:
                 param.before_backward(self.reduce_grads)
 
     def after_backward_pass(self) -> None:
-        for param in self.params:
+        for param in self._held:
             param.hold_grad_dtype()
 
     def has_pending_grads(self) -> bool:

@@ -40,7 +40,6 @@ from fullshard.plan import ShardLayout, stores_padded_chunk
 from fullshard.plan.group import ParamFacts
 
 
-
 @dataclass(frozen=True)
 class ShardedSpec:
     """Where a sharded parameter lives: its DTensor's mesh, placements and global shape, and what the

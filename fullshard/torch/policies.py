@@ -102,7 +102,7 @@ def capture_grad_dtype_policy(param) -> bool:
     module, name = param.owners[0]
     changed = False
     for tensor in (param.sharded, module._parameters.get(name)):
-        # the unsharded parameter's grad_dtype is fullshard's (ShardedParam.convert_grad), never the user's
+        # the unsharded parameter's grad_dtype is fullshard's (accumulation.hold_grad), never the user's
         if isinstance(tensor, torch.Tensor) and tensor._has_grad_dtype_override and tensor is not param.unsharded:
             changed |= not param.has_grad_dtype or param.grad_dtype != tensor.grad_dtype
             param.has_grad_dtype, param.grad_dtype = True, tensor.grad_dtype
