@@ -12,6 +12,7 @@ _EXPORTS = {
     "FSDPModule": "fullshard.torch.unit",
     "UnshardHandle": "fullshard.torch.unit",
     "GradientReductionHandle": "fullshard.torch.finalize",
+    "share_comm_ctx": "fullshard.torch.finalize",
     "register_fsdp_forward_method": "fullshard.torch.unit",
     "MixedPrecisionPolicy": "fullshard.torch.policies",
     "OffloadPolicy": "fullshard.torch.policies",

@@ -141,4 +141,7 @@ class FSDPModuleMethods:
     def reset_iter_state(self) -> None:
         """Abandon the step in flight: drop its pending reductions and gradients, reshard every unit (call on
         the root). Not needed after a forward or backward that raised: the next forward starts clean."""
-        getattr(self, UNIT_ATTR).reset_step()
+        unit = getattr(self, UNIT_ATTR)
+        if unit.is_root is False:  # it would abandon the root's whole step, reduced gradients included
+            raise RuntimeError("reset_iter_state must be called on the root FSDP module")  # FSDP2's words
+        unit.reset_step()

@@ -29,6 +29,20 @@ from fullshard.plan.group import AfterBackward
 _TorchHandle: type = getattr(torch_fsdp, "GradientReductionHandle", object)
 
 
+# FSDP2's communication context, as fullshard has it: each unit's ``_comm_ctx`` (torch/unit.py) says which
+# asynchronous finalization is outstanding among the roots that share it (each root has its own unless
+# share_comm_ctx joins them). fullshard issues its collectives on the current stream: no streams to share.
+# torch.distributed.pipelining tells stages apart by ``_get_fsdp_state()._comm_ctx`` (defer_reduce_grad_wait).
+def share_comm_ctx(modules: list) -> None:
+    """FSDP2's ``share_comm_ctx``: the roots ``modules`` (pipeline stages) share one context, so none starts a
+    forward or a finalization while another's asynchronous finalization is outstanding, and none resets it."""
+    for module in modules:
+        if getattr(module, UNIT_ATTR, None) is None:
+            raise ValueError(f"Expects list of FSDPModules but got {module}")
+    for module in modules[1:]:
+        getattr(module, UNIT_ATTR)._comm_ctx = getattr(modules[0], UNIT_ATTR)._comm_ctx
+
+
 class GradientReductionHandle(_TorchHandle):
     """Returned by ``finalize_backward(async_op=True)``: ``wait()`` completes the step's gradient reductions
     and ends its backward (a second ``wait()`` does nothing). ``reset_iter_state()`` invalidates it."""
@@ -43,7 +57,7 @@ class GradientReductionHandle(_TorchHandle):
         if root.reduction_handle is not self:
             raise RuntimeError("This gradient reduction handle was invalidated")
         self._root = None
-        root.reduction_handle = None
+        root.reduction_handle = root.unit._comm_ctx.active_reduction = None
         _complete(root)
 
 
@@ -64,6 +78,9 @@ def _check_finalizable(unit: Any) -> Any:
     root = unit.root
     if root.reduction_handle is not None:
         raise RuntimeError("The previous gradient reduction must be waited on before finalizing backward again")
+    if unit._comm_ctx.active_reduction is not None:
+        raise RuntimeError("Another gradient reduction sharing this communication context must be waited on before "
+                           "finalizing backward")
     if not unit.is_root:
         raise RuntimeError("finalize_backward must be called on the root FSDP module")
     manual = root.manual_active if root.manual_active is not None else unit.manual_finalization
@@ -72,14 +89,18 @@ def _check_finalizable(unit: Any) -> Any:
                            "set_manual_backward_finalization(True) before forward")
     if root.end_of_backward_queued:
         raise RuntimeError("FSDP finalize_backward must be called after backward completes")
+    def replicas(group: Any) -> bool:
+        return group.replicated or getattr(group, "replicate_group", None) is not None
+
+    if any(replicas(group) and not group.all_reduce_grads for group in root.groups):
+        root.finish_reduces()  # a partial sum (HSDP without the replica all-reduce) exists once it is reduced
     for group in root.groups:
-        name = group.module_name or "<root>"
+        name = "<root>" if group in root.unit.groups else group.module_name  # FSDP2 names groups by path
         if getattr(group, "_partials", None):  # HSDP sums kept without the replica all-reduce
             raise RuntimeError(
                 f"FSDP manual backward finalization does not support partial gradient reductions for parameter "
                 f"group {name!r}. Use automatic backward finalization for this configuration")
-        replicas = group.replicated or getattr(group, "replicate_group", None) is not None
-        if replicas and group.reduce_grads and not group.all_reduce_grads and group.has_pending_grads():
+        if replicas(group) and group.reduce_grads and not group.all_reduce_grads and group.has_pending_grads():
             raise RuntimeError(
                 f"FSDP manual backward finalization requires all-reduce for parameter group {name!r}. Call "
                 "set_requires_all_reduce(True) before finalization")
@@ -119,7 +140,7 @@ class FinalizationMethods:
             for group in root.groups:  # the unsharded parameters go now; the reductions hold what they read
                 if group.after_backward is AfterBackward.RESHARD:
                     group.reshard()
-        root.reduction_handle = GradientReductionHandle(root)
+        root.reduction_handle = unit._comm_ctx.active_reduction = GradientReductionHandle(root)
         return root.reduction_handle
 
     def set_keep_unsharded_storage(self, keep: bool, *, recurse: bool = True) -> None:

@@ -22,6 +22,7 @@ from __future__ import annotations
 import threading
 import warnings
 import weakref
+from types import SimpleNamespace
 from typing import Any, Callable, Iterable, Iterator, Optional
 
 import torch
@@ -96,12 +97,17 @@ class StepRoot(Root):
             self.end_of_backward()
 
     def check_not_in_backward(self, what: str) -> None:
-        if self.reduction_handle is not None:
+        if self.reduction_handle is not None or self.unit._comm_ctx.active_reduction is not None:
             raise RuntimeError("The previous gradient reduction must be waited on before forward")
         super().check_not_in_backward(what)
 
     def reset_step(self) -> None:
-        self.manual_active = self.reduction_handle = None  # an outstanding handle's wait() raises from now on
+        context = self.unit._comm_ctx
+        if context.active_reduction is not None and context.active_reduction is not self.reduction_handle:
+            raise RuntimeError("reset_iter_state cannot reset a gradient reduction owned by another FSDP root "
+                               "sharing the communication context")
+        # an outstanding handle's wait() raises from now on
+        self.manual_active = self.reduction_handle = context.active_reduction = None
         super().reset_step()
 
     def _before_gathers(self) -> None:
@@ -194,6 +200,7 @@ class ShardedUnit(Unit):
         super().__init__(groups, strategy, reshard_after_forward, len(modules))
         self.modules = modules
         self.mp_policy = mp_policy
+        self._comm_ctx = SimpleNamespace(active_reduction=None)  # FSDP2's name, read by pipelining: finalize.py
         for group in groups:
             group.on_grad = self._on_grad
         for module in modules:

@@ -55,6 +55,14 @@ def test_every_public_method_of_torchs_class_is_defined_by_fullshard(name):
     assert not missing, f"torch {torch.__version__}'s {name} has public methods fullshard inherits: {missing}"
 
 
+def test_every_public_name_of_torchs_fsdp2_is_exported_by_fullshard():
+    """Switching the import needs every name of torch's FSDP2 (``share_comm_ctx`` was missing)."""
+    from torch.distributed.fsdp import _fully_shard
+
+    missing = sorted(n for n in _fully_shard.__all__ if not hasattr(fullshard, n))
+    assert not missing, f"torch {torch.__version__}'s FSDP2 exports names fullshard does not: {missing}"
+
+
 def test_gradient_reduction_handle_is_exported():
     assert fullshard.GradientReductionHandle is GradientReductionHandle
     GradientReductionHandle().wait()  # a handle of nothing waits for nothing, as torch's base class
@@ -196,6 +204,122 @@ def manual_mode_on_a_non_root_is_refused_at_the_first_forward():
     fully_shard(model, mesh=mesh_1d())
     with _expect("set_manual_backward_finalization must be called on the root"):
         gpt_loss(model, gpt_batch(0, 2))
+    return True
+
+
+@scenario
+def reset_iter_state_below_the_root_is_refused_and_keeps_the_gradients():
+    """On a block it would abandon the root's whole step, gradients already reduced included: FSDP2's error,
+    and nothing changes."""
+    torch.manual_seed(0)
+    model = shard_blocks_then_root(build_gpt(), mesh=mesh_1d())
+    rank, world = dist.get_rank(), dist.get_world_size()
+    gpt_loss(model, tuple(t.chunk(world)[rank] for t in gpt_batch(0, 4))).backward()
+    before = [p.grad.to_local().clone() for p in model.parameters()]
+    with _expect("reset_iter_state must be called on the root FSDP module"):
+        model.layers[0].reset_iter_state()
+    for grad, param in zip(before, model.parameters()):
+        assert param.grad is not None and torch.equal(param.grad.to_local(), grad)
+    return True
+
+
+def _shared_context_story(shard, share) -> list[str]:
+    """Two roots (pipeline stages) share one communication context; what each misuse raises, in order."""
+    stages = []
+    for seed in (0, 1):
+        torch.manual_seed(seed)
+        stage = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 4))
+        shard(stage[0], mesh=mesh_1d())
+        shard(stage, mesh=mesh_1d())
+        stage.set_manual_backward_finalization(True)
+        stages.append(stage)
+    first, second = stages
+    share(stages)
+    assert first._get_fsdp_state()._comm_ctx is second._get_fsdp_state()._comm_ctx
+    x = torch.randn(2, 4)
+    seen = []
+
+    def attempt(call) -> None:
+        try:
+            call()
+            seen.append("ok")
+        except RuntimeError as error:
+            seen.append(str(error))
+
+    for stage in stages:  # each a root that has finished a step
+        stage(x).sum().backward()
+        stage.finalize_backward()
+    first(x).sum().backward()
+    handle = first.finalize_backward(async_op=True)
+    attempt(second.finalize_backward)
+    attempt(lambda: second(x))
+    attempt(second.reset_iter_state)
+    handle.wait()
+    attempt(second.finalize_backward)
+    attempt(lambda: second(x).sum().backward())
+    attempt(second.finalize_backward)
+    try:
+        share([first, nn.Linear(2, 2)])
+    except ValueError as error:
+        seen.append(str(error).split(" but got ")[0])
+    return seen
+
+
+@scenario
+def roots_sharing_a_communication_context_wait_for_each_other():
+    """``share_comm_ctx`` (pipeline stages): while one root's asynchronous finalization is outstanding, the
+    others neither finalize, forward nor reset; the same errors as FSDP2 2.15, in the same order."""
+    ours = _shared_context_story(fully_shard, fullshard.share_comm_ctx)
+    assert ours == [
+        "Another gradient reduction sharing this communication context must be waited on before finalizing "
+        "backward",
+        "The previous gradient reduction must be waited on before forward",
+        "reset_iter_state cannot reset a gradient reduction owned by another FSDP root sharing the communication "
+        "context",
+        "ok", "ok", "ok", "Expects list of FSDPModules"], ours
+    if TORCH_215:
+        assert _shared_context_story(torch_fsdp.fully_shard, torch_fsdp.share_comm_ctx) == ours
+    return True
+
+
+def _pipeline_grads(shard, deferred: bool) -> list[list[float]]:
+    """Two ranks, four stages (two per rank) of a 1-rank data-parallel mesh each, an interleaved 1F1B schedule
+    that finalizes each stage's backward itself, its waits deferred or not; the stages' gradients per step."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.pipelining import PipelineStage
+    from torch.distributed.pipelining.schedules import ScheduleInterleaved1F1B
+
+    mesh = init_device_mesh("cpu", (2, 1), mesh_dim_names=("pp", "dp"))
+    rank, stages, modules = dist.get_rank(), [], []
+    for index in (rank, rank + 2):
+        torch.manual_seed(index)
+        module = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4))
+        shard(module[0], mesh=mesh["dp"])
+        shard(module, mesh=mesh["dp"])
+        modules.append(module)
+        stages.append(PipelineStage(module, index, 4, torch.device("cpu"), group=mesh.get_group("pp")))
+    schedule = ScheduleInterleaved1F1B(stages, n_microbatches=4, loss_fn=lambda y, t: (y - t).pow(2).sum(),
+                                       defer_reduce_grad_wait=deferred)
+    gen, grads = torch.Generator().manual_seed(7), []
+    for _ in range(2):
+        x, target = torch.randn(8, 4, generator=gen), torch.randn(8, 4, generator=gen)
+        schedule.step(x if rank == 0 else None, target=target if rank == 1 else None)
+        grads.append([v for m in modules for p in m.parameters() for v in p.grad.full_tensor().flatten().tolist()])
+        for m in modules:
+            m.zero_grad()
+    return grads
+
+
+@scenario
+def pipeline_schedules_that_defer_reduction_waits_match_fsdp2():
+    """torch.distributed.pipelining 2.15's ``defer_reduce_grad_wait=True`` tells stages apart by their
+    communication context (``_get_fsdp_state()._comm_ctx``; it raised AttributeError on fullshard's): the
+    stages' gradients are FSDP2's, and the same as without deferring."""
+    if not TORCH_215:
+        return "skipped: the installed torch's pipelining has no defer_reduce_grad_wait"
+    ours = _pipeline_grads(fully_shard, deferred=True)
+    assert ours == _pipeline_grads(fully_shard, deferred=False)
+    torch.testing.assert_close(ours, _pipeline_grads(torch_fsdp.fully_shard, deferred=True), rtol=0, atol=1e-6)
     return True
 
 
@@ -750,6 +874,26 @@ def manual_finalization_after_hsdp_partial_sums_matches_the_reference():
     model(torch.randn(2, 8)).sum().backward()
     with _expect("requires all-reduce|does not support partial gradient reductions"):
         model.finalize_backward()
+    return True
+
+
+@scenario
+def manual_finalization_refuses_a_partial_sum_still_being_reduced():
+    """One unit on a 2-replica HSDP mesh, its replica all-reduce off: the partial sum comes from the reduction the
+    backward started, still in flight at finalize_backward, which FSDP2 refuses (fullshard let it through once,
+    leaving no gradients)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2, 1), mesh_dim_names=("replicate", "shard"))
+    torch.manual_seed(0)
+    model = fully_shard(nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2)), mesh=mesh)
+    model.set_manual_backward_finalization(True)
+    model.set_requires_all_reduce(False)
+    model(torch.randn(3, 4, requires_grad=True)).sum().backward()
+    for _ in range(2):
+        with _expect("does not support partial gradient reductions for parameter group '<root>'"):
+            model.finalize_backward()
+    model.reset_iter_state()  # gives the partial sums back: later scenarios count the bytes fullshard holds
     return True
 
 
