@@ -63,10 +63,15 @@ class GradientReductionHandle(_TorchHandle):
 
 def defer_end_of_backward(root: Any) -> None:
     """Manual finalization: autograd's backward is over, the step is not. Reductions in flight stay in
-    flight; what the backward left unreduced waits for ``finalize_backward`` (a later backward may add to it)."""
+    flight; what the backward left unreduced waits for ``finalize_backward`` (a later backward may add to it).
+    Groups without gradient sync end their backward now, as in automatic mode (and FSDP2): resharded after
+    backward, they do not stay gathered across micro-batches."""
     root.end_of_backward_queued = False
     for unit in root.units:
         unit.phase = TrainingPhase.IDLE
+        for group in unit.groups:
+            if not group.reduce_grads:
+                group.after_reducing_backward()
 
 
 def _complete(root: Any) -> None:

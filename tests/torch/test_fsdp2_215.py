@@ -207,6 +207,45 @@ def manual_mode_on_a_non_root_is_refused_at_the_first_forward():
     return True
 
 
+def _manual_without_sync(shard) -> tuple[list[bool], list]:
+    """Manual finalization, two micro-batches without sync, then sync and finalize_backward (torchtitan's deferred
+    reduction, resharding after each backward): whether the first layer (its input needs no gradient, so no
+    post-backward runs for it) shows its shards after each backward; the gradients, checked against one process."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 4))
+    reference = copy.deepcopy(model)
+    for module in (model[0], model[2], model):
+        shard(module, mesh=mesh_1d())
+    model.set_manual_backward_finalization(True)
+    model.set_requires_gradient_sync(False)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    gen, resharded = torch.Generator().manual_seed(5), []
+    for _ in range(2):
+        x = torch.randn(2 * world, 4, generator=gen)
+        model(x.chunk(world)[rank]).pow(2).mean().backward()
+        reference(x).pow(2).mean().backward()
+        resharded.append(isinstance(model[0].weight, DTensor))
+    model.set_requires_gradient_sync(True)
+    model.finalize_backward()
+    grads = [p.grad.full_tensor() for p in model.parameters()]
+    for grad, ref in zip(grads, reference.parameters()):
+        torch.testing.assert_close(grad, ref.grad, rtol=1e-5, atol=1e-6)
+    return resharded, [g.tolist() for g in grads]
+
+
+@scenario
+def manual_finalization_without_sync_reshards_after_each_backward():
+    """A unit without gradient sync ends each backward as in automatic mode, resharding (it stayed gathered
+    until finalize_backward, across micro-batches); as FSDP2 2.15 does, with its gradients."""
+    resharded, grads = _manual_without_sync(fully_shard)
+    assert resharded == [True, True], resharded
+    if TORCH_215:
+        theirs = _manual_without_sync(torch_fsdp.fully_shard)
+        assert theirs[0] == resharded
+        torch.testing.assert_close(grads, theirs[1], rtol=0, atol=1e-6)
+    return True
+
+
 @scenario
 def reset_iter_state_below_the_root_is_refused_and_keeps_the_gradients():
     """On a block it would abandon the root's whole step, gradients already reduced included: FSDP2's error,
