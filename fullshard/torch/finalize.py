@@ -48,16 +48,16 @@ class GradientReductionHandle(_TorchHandle):
     and ends its backward (a second ``wait()`` does nothing). ``reset_iter_state()`` invalidates it."""
 
     def __init__(self, root: Any = None) -> None:
-        self._root = root
+        self.root = root  # the root whose step it completes; None once waited on (or for a handle of nothing)
 
     def wait(self) -> None:
-        root = self._root
+        root = self.root
         if root is None:
             return
-        if root.reduction_handle is not self:
+        context = root.unit._comm_ctx
+        if context.active_reduction is not self:
             raise RuntimeError("This gradient reduction handle was invalidated")
-        self._root = None
-        root.reduction_handle = root.unit._comm_ctx.active_reduction = None
+        self.root = context.active_reduction = None
         _complete(root)
 
 
@@ -79,11 +79,16 @@ def _complete(root: Any) -> None:
     root.manual_active = None
 
 
+def _replicated(group: Any) -> bool:
+    return group.replicated or getattr(group, "replicate_group", None) is not None
+
+
 def _check_finalizable(unit: Any) -> Any:
     root = unit.root
-    if root.reduction_handle is not None:
+    outstanding = root.unit._comm_ctx.active_reduction
+    if outstanding is not None and outstanding.root is root:
         raise RuntimeError("The previous gradient reduction must be waited on before finalizing backward again")
-    if unit._comm_ctx.active_reduction is not None:
+    if outstanding is not None:
         raise RuntimeError("Another gradient reduction sharing this communication context must be waited on before "
                            "finalizing backward")
     if not unit.is_root:
@@ -94,10 +99,7 @@ def _check_finalizable(unit: Any) -> Any:
                            "set_manual_backward_finalization(True) before forward")
     if root.end_of_backward_queued:
         raise RuntimeError("FSDP finalize_backward must be called after backward completes")
-    def replicas(group: Any) -> bool:
-        return group.replicated or getattr(group, "replicate_group", None) is not None
-
-    if any(replicas(group) and not group.all_reduce_grads for group in root.groups):
+    if any(_replicated(group) and not group.all_reduce_grads for group in root.groups):
         root.finish_reduces()  # a partial sum (HSDP without the replica all-reduce) exists once it is reduced
     for group in root.groups:
         name = "<root>" if group in root.unit.groups else group.module_name  # FSDP2 names groups by path
@@ -105,7 +107,7 @@ def _check_finalizable(unit: Any) -> Any:
             raise RuntimeError(
                 f"FSDP manual backward finalization does not support partial gradient reductions for parameter "
                 f"group {name!r}. Use automatic backward finalization for this configuration")
-        if replicas(group) and group.reduce_grads and not group.all_reduce_grads and group.has_pending_grads():
+        if _replicated(group) and group.reduce_grads and not group.all_reduce_grads and group.has_pending_grads():
             raise RuntimeError(
                 f"FSDP manual backward finalization requires all-reduce for parameter group {name!r}. Call "
                 "set_requires_all_reduce(True) before finalization")
@@ -145,8 +147,8 @@ class FinalizationMethods:
             for group in root.groups:  # the unsharded parameters go now; the reductions hold what they read
                 if group.after_backward is AfterBackward.RESHARD:
                     group.reshard()
-        root.reduction_handle = unit._comm_ctx.active_reduction = GradientReductionHandle(root)
-        return root.reduction_handle
+        handle = root.unit._comm_ctx.active_reduction = GradientReductionHandle(root)
+        return handle
 
     def set_keep_unsharded_storage(self, keep: bool, *, recurse: bool = True) -> None:
         """True: resharding keeps the unsharded storage allocated (the modules show the shards), and the next

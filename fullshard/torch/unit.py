@@ -80,9 +80,9 @@ class StepRoot(Root):
         super().__init__(root)
         self.post_optim_event: Any = None  # FSDPModule.set_post_optim_event
         # set_manual_backward_finalization as latched when a backward started (None: none since the last end of
-        # a step), and the handle of an asynchronous finalize_backward not yet waited on (finalize.py).
+        # a step). The handle of an asynchronous finalize_backward not yet waited on is the root unit's
+        # communication context's (finalize.py), which roots may share.
         self.manual_active: Optional[bool] = None
-        self.reduction_handle: Any = None
 
     def _queue_end_of_backward(self) -> None:
         if self.manual_active is None:
@@ -97,17 +97,17 @@ class StepRoot(Root):
             self.end_of_backward()
 
     def check_not_in_backward(self, what: str) -> None:
-        if self.reduction_handle is not None or self.unit._comm_ctx.active_reduction is not None:
+        if self.unit._comm_ctx.active_reduction is not None:  # this root's or another's sharing the context
             raise RuntimeError("The previous gradient reduction must be waited on before forward")
         super().check_not_in_backward(what)
 
     def reset_step(self) -> None:
         context = self.unit._comm_ctx
-        if context.active_reduction is not None and context.active_reduction is not self.reduction_handle:
+        if context.active_reduction is not None and context.active_reduction.root is not self:
             raise RuntimeError("reset_iter_state cannot reset a gradient reduction owned by another FSDP root "
                                "sharing the communication context")
         # an outstanding handle's wait() raises from now on
-        self.manual_active = self.reduction_handle = context.active_reduction = None
+        self.manual_active = context.active_reduction = None
         super().reset_step()
 
     def _before_gathers(self) -> None:
